@@ -1,0 +1,147 @@
+"""The training contract's flags, their checks, and nanoGPT's learning-rate schedule.
+
+Every strategy script calls `parse_args(strategy, add_flags)`: the same core flags and defaults
+everywhere, plus the strategy's own. Boolean flags accept `--name` and `--name=true|false`.
+Bad input ends the run with one line `error: --flag: constraint` printed by rank 0, on every rank,
+before anything is built (`die`).
+"""
+import argparse
+import math
+import os
+import sys
+
+from common.model import PRESETS, GPTConfig
+from common.data import GPT2_VOCAB
+
+
+def is_rank0():
+    return os.environ.get("RANK", "0") == "0"
+
+
+def die(message):
+    """One clear error line from rank 0, a non-zero exit on every rank. Call it on all ranks
+    (checks are deterministic), so no rank is left waiting in a collective."""
+    if is_rank0():
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def str2bool(v):
+    if isinstance(v, bool):
+        return v
+    if v.lower() in ("true", "1", "yes"):
+        return True
+    if v.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line from rank 0 instead of usage + message from every rank
+        die(message)
+
+
+def add_bool(group, name, default, help):
+    group.add_argument(name, type=str2bool, nargs="?", const=True, default=default,
+                       metavar="true|false", help=f"{help} (default: {default})")
+
+
+def parse_args(strategy, add_flags=None, argv=None):
+    p = _Parser(description=f"nanodist {strategy}: train nanoGPT on Shakespeare.",
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model (defaults from --preset; a flag overrides it)")
+    m.add_argument("--preset", choices=sorted(PRESETS), default="small",
+                   help="small: 4 layers, 128 wide, block 64 (CPU); gpt2: GPT-2 124M")
+    for name, typ in (("n_layer", int), ("n_head", int), ("n_embd", int), ("block_size", int),
+                      ("vocab_size", int), ("dropout", float)):
+        m.add_argument(f"--{name}", type=typ, default=None)
+    add_bool(m, "--bias", None, "biases in Linear and LayerNorm")
+    b = p.add_argument_group("batch")
+    b.add_argument("--batch_size", type=int, default=16, help="global sequences per optimizer step")
+    b.add_argument("--grad_accum_steps", type=int, default=1, help="micro-steps per optimizer step")
+    o = p.add_argument_group("optimizer")
+    o.add_argument("--max_iters", type=int, default=200, help="optimizer steps, numbered 0..max_iters-1")
+    o.add_argument("--learning_rate", type=float, default=1e-3)
+    o.add_argument("--min_lr", type=float, default=1e-4)
+    o.add_argument("--warmup_iters", type=int, default=20)
+    o.add_argument("--lr_decay_iters", type=int, default=None, help="default: max_iters")
+    add_bool(o, "--decay_lr", True, "warmup + cosine decay; false: constant learning_rate")
+    o.add_argument("--weight_decay", type=float, default=0.1)
+    o.add_argument("--beta1", type=float, default=0.9)
+    o.add_argument("--beta2", type=float, default=0.95)
+    o.add_argument("--grad_clip", type=float, default=1.0, help="clip the global grad norm; 0 disables")
+    r = p.add_argument_group("run")
+    r.add_argument("--seed", type=int, default=1337)
+    r.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda + nccl when a GPU is present, else cpu + gloo")
+    r.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="compute dtype (bfloat16: autocast; parameters and optimizer stay fp32)")
+    r.add_argument("--eval_interval", type=int, default=50, help="evaluate every N steps and at the end; 0: never")
+    r.add_argument("--eval_iters", type=int, default=10, help="batches per evaluation")
+    r.add_argument("--log_interval", type=int, default=10, help="print every N steps")
+    r.add_argument("--out_dir", default=os.path.join("out", strategy))
+    r.add_argument("--dataset", default="shakespeare", help="data/<dataset>/{train,val}.bin")
+    r.add_argument("--data_file", default=None, help="tokenise this text file into data/<dataset>/")
+    r.add_argument("--implementation", choices=["custom", "pytorch"], default="custom",
+                   help="custom: the hand-written strategy; pytorch: PyTorch's own, same loop")
+    r.add_argument("--checkpoint_interval", type=int, default=0,
+                   help="write out_dir/ckpt.pt every N steps; it is always written at the end")
+    add_bool(r, "--tensorboard", True, "also log the metrics to TensorBoard under out_dir")
+    if add_flags is not None:
+        add_flags(p.add_argument_group(strategy))
+    args = p.parse_args(argv)
+    preset = PRESETS[args.preset]
+    for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout", "bias"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.max_iters
+    check_core_args(args)
+    return args
+
+
+def check_core_args(args):
+    positive = ["n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size",
+                "grad_accum_steps", "max_iters", "learning_rate", "eval_iters", "log_interval",
+                "lr_decay_iters"]
+    for name in positive:
+        if not getattr(args, name) > 0:
+            die(f"--{name}: must be > 0, got {getattr(args, name)}")
+    for name in ("min_lr", "warmup_iters", "weight_decay", "grad_clip", "eval_interval", "checkpoint_interval"):
+        if getattr(args, name) < 0:
+            die(f"--{name}: must be >= 0, got {getattr(args, name)}")
+    if not 0 <= args.dropout < 1:
+        die(f"--dropout: must be in [0, 1), got {args.dropout}")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            die(f"--{name}: must be in [0, 1), got {getattr(args, name)}")
+    if args.n_embd % args.n_head:
+        die(f"--n_head: n_embd ({args.n_embd}) must be divisible by n_head ({args.n_head})")
+    if args.vocab_size < GPT2_VOCAB:
+        die(f"--vocab_size: must be >= {GPT2_VOCAB} (the GPT-2 tokenizer's vocabulary), got {args.vocab_size}")
+
+
+def check_batch_split(args, dp_size):
+    """The contract's batch split: dp rank r takes rows [r*B/D, (r+1)*B/D), micro-step j the j-th
+    of grad_accum_steps equal chunks of those."""
+    if args.batch_size % (dp_size * args.grad_accum_steps):
+        die(f"--batch_size: {args.batch_size} must be divisible by data-parallel size ({dp_size}) "
+            f"x --grad_accum_steps ({args.grad_accum_steps})")
+
+
+def gpt_config(args):
+    return GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size, n_layer=args.n_layer,
+                     n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, bias=args.bias)
+
+
+def get_lr(step, args):
+    """nanoGPT: linear warmup, cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    if not args.decay_lr:
+        return args.learning_rate
+    if step < args.warmup_iters:
+        return args.learning_rate * (step + 1) / (args.warmup_iters + 1)
+    if step > args.lr_decay_iters:
+        return args.min_lr
+    ratio = (step - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * min(1.0, ratio)))
+    return args.min_lr + coeff * (args.learning_rate - args.min_lr)

@@ -1,0 +1,183 @@
+"""The nanoGPT GPT-2 model, shared by every strategy script.
+
+Pre-LayerNorm blocks, causal scaled_dot_product_attention, GELU MLP, learned position
+embeddings, `wte` tied to `lm_head`, nanoGPT's initialisation.
+
+Initialisation depends only on (seed, parameter name): `init_tensor(name, shape, config, seed)`
+draws each tensor from its own CPU generator, so the weights are bit-identical whether the
+model is built whole on CPU, on CUDA, or materialised one piece at a time from the meta
+device. Every strategy therefore starts from the same weights without broadcasting them.
+"""
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+
+
+PRESETS = {
+    "gpt2": GPTConfig(),  # GPT-2 124M
+    "small": GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=128),  # trains on a laptop CPU
+}
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional bias (PyTorch's has no bias=False before 2.1)."""
+
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v fused
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """`GPT(config, seed=s)` builds and initialises the model on `device`;
+    `device="meta"` builds it without storage, to be materialised piece by piece."""
+
+    def __init__(self, config, seed=0, device="cpu"):
+        super().__init__()
+        self.config = config
+        with torch.device("meta"):  # no storage, no wasted default init
+            self.transformer = nn.ModuleDict(dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=LayerNorm(config.n_embd, bias=config.bias),
+            ))
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.tie_weights()
+        if str(device) != "meta":
+            self.to_empty(device=device)
+            self.tie_weights()  # to_empty replaces Parameter objects, which unties them
+            materialize_(self, "", config, seed)
+
+    def tie_weights(self):
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, idx, targets=None):
+        B, T = idx.size()
+        assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+def num_params(model):
+    return sum(p.numel() for p in model.parameters())  # the tied wte/lm_head counts once
+
+
+# ---- initialisation that depends only on (seed, parameter name) --------------------------
+
+def _generator(seed, name):
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def init_tensor(name, shape, config, seed):
+    """The initial value (fp32, CPU) of the parameter called `name` in the full model, e.g.
+    "transformer.h.3.attn.c_proj.weight". nanoGPT's scheme: LayerNorm weights 1, biases 0,
+    other weights N(0, 0.02), residual projections (c_proj) N(0, 0.02/sqrt(2*n_layer))."""
+    short = name.rsplit(".", 2)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if short[-2].startswith("ln_"):
+        return torch.ones(shape)
+    std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
+    return torch.empty(shape).normal_(0.0, std, generator=_generator(seed, name))
+
+
+@torch.no_grad()
+def materialize_(module, prefix, config, seed, device=None):
+    """Give every parameter of `module` (e.g. a Block called prefix="transformer.h.3.") storage on
+    `device` (default: where it is; meta moves to CPU) and its initial value. Buffers: none in GPT."""
+    params = dict(module.named_parameters())
+    if any(p.is_meta for p in params.values()) or device is not None:
+        target = device if device is not None else "cpu"
+        module.to_empty(device=target)
+        if isinstance(module, GPT):
+            module.tie_weights()
+        params = dict(module.named_parameters())
+    for name, p in params.items():
+        p.copy_(init_tensor(prefix + name, p.shape, config, seed))
+    return module
+
+
+def configure_optimizer(named_params, weight_decay, learning_rate, betas):
+    """AdamW with eps 1e-8; weight decay only on tensors with 2 or more dimensions (matmul weights
+    and embeddings), none on biases and LayerNorm weights. `named_params`: (name, tensor) pairs."""
+    named_params = [(n, p) for n, p in named_params if p.requires_grad]
+    decay = [p for n, p in named_params if p.dim() >= 2]
+    no_decay = [p for n, p in named_params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=1e-8)

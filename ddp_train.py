@@ -1,0 +1,222 @@
+"""DDP: Distributed Data Parallel, written by hand.
+
+Every rank holds the whole model and optimizer (memory per rank: 4P bytes of fp32 params + 4P of
+grads + 8P of AdamW state = 16P, the same as one process) and runs forward/backward on its own
+rows of the global batch. After backward the gradients are averaged over the N ranks with
+all-reduce, so every rank takes the identical optimizer step. Communication per step: one
+all-reduce of the 4P gradient bytes (a ring all-reduce sends about 2*(N-1)/N * 4P bytes per rank).
+
+To hide that communication, the gradients live in flat "buckets" (about --bucket_cap_mb each,
+filled in reverse registration order, roughly the order backward produces them). When the last
+gradient of a bucket has been accumulated, its all-reduce starts asynchronously while backward
+goes on computing the earlier layers; the training loop waits once, at the end of backward.
+
+Run:
+  python ddp_train.py                                   # single process: the reference
+  torchrun --standalone --nproc_per_node=2 ddp_train.py # 2 ranks (2 GPUs, or 2 CPU processes)
+  torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv-backend=c10d \\
+           --rdzv-endpoint=HOST:29500 ddp_train.py       # 2 nodes x 8 GPUs (node_rank=1 on the other)
+  python ddp_train.py --implementation pytorch          # torch.nn.parallel.DistributedDataParallel
+"""
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from common.checkpoint import save_atomic, optimizer_state_by_name
+from common.config import check_batch_split, die, get_lr, gpt_config, parse_args
+from common.data import get_batch
+from common.distributed import autocast, setup, setup_data
+from common.metrics import Metrics, optimizer_state_bytes, peak_mem_bytes, tensor_bytes
+from common.model import GPT, configure_optimizer, num_params
+
+
+# ---- the strategy: gradient buckets with overlapped all-reduce ---------------------------
+
+class Bucket:
+    """One flat gradient buffer; the .grad of each of its parameters is a view into it, so autograd
+    accumulates straight into the buffer and the all-reduce needs no copy in or out."""
+
+    def __init__(self, params):
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        for p in params:
+            p.grad = self.buffer[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.pending = len(params)  # gradients not yet accumulated in this backward
+        self.work = None            # the in-flight async all-reduce
+
+
+class GradientBuckets:
+    """Averages gradients over the ranks of `group` during backward.
+
+    Call `finish_backward()` after every backward. Set `require_sync = False` BEFORE the forward of a
+    micro-step that should only accumulate locally (gradient accumulation; DDP's no_sync): those
+    micro-steps send nothing, and the last micro-step's all-reduce carries the sum of all of them."""
+
+    def __init__(self, model, bucket_cap_mb, group=None):
+        self.group = group
+        self.require_sync = True
+        cap = int(bucket_cap_mb * 2**20)
+        params = [p for p in model.parameters() if p.requires_grad][::-1]  # reverse registration order
+        groups, current, size = [], [], 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > cap:  # a tensor bigger than the cap gets a bucket of its own
+                groups.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        groups.append(current)
+        self.buckets = [Bucket(g) for g in groups]
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _grad_ready(self, p):
+        # Runs inside backward, right after p.grad has been accumulated. A parameter used twice
+        # (the tied wte/lm_head) gets one call, with both paths already summed by autograd.
+        bucket = self.bucket_of[p]
+        bucket.pending -= 1
+        if bucket.pending == 0 and self.require_sync:
+            # Sends the whole bucket (bucket.buffer.numel() * 4 bytes in fp32) to every other rank
+            # and receives theirs, summing and dividing by N: afterwards every rank holds the mean
+            # gradient. Async: backward keeps computing earlier layers while it is on the wire.
+            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+
+    def finish_backward(self):
+        """The one wait at the end of backward (on syncing micro-steps). Parameters that got no
+        gradient (unused in forward) keep a zero gradient; their bucket is reduced here, in bucket
+        order, which is correct as long as every rank has the same unused parameters."""
+        for bucket in self.buckets:
+            if self.require_sync and bucket.work is None:
+                bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+            bucket.pending = len(bucket.params)
+
+
+def add_ddp_flags(group):
+    group.add_argument("--bucket_cap_mb", type=float, default=25.0, help="gradient bucket size (MiB)")
+
+
+# ---- setup -------------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args("ddp", add_ddp_flags, argv)
+    if args.bucket_cap_mb <= 0:
+        die(f"--bucket_cap_mb: must be > 0, got {args.bucket_cap_mb}")
+    check_batch_split(args, int(os.environ.get("WORLD_SIZE", 1)))
+    rank, world_size, device = setup(args)
+    setup_data(args)
+    config = gpt_config(args)
+    B, T, A = args.batch_size, args.block_size, args.grad_accum_steps
+    rows, micro = B // world_size, B // world_size // A  # this rank's rows; rows per micro-step
+
+    # Every rank builds the same weights: initialisation depends only on (seed, name), which
+    # tests/test_ddp.py checks across ranks, so no broadcast of rank 0's parameters is needed.
+    model = GPT(config, seed=args.seed, device=device)
+    if args.implementation == "custom":
+        buckets = GradientBuckets(model, args.bucket_cap_mb)
+        train_model = model
+    else:
+        buckets = None
+        train_model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True)
+    optimizer = configure_optimizer(model.named_parameters(), args.weight_decay, args.learning_rate,
+                                    (args.beta1, args.beta2))
+    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard)
+    if rank == 0:
+        print(f"ddp ({args.implementation}): {world_size} rank(s) on {device}, {num_params(model) / 1e6:.2f}M params, "
+              f"global batch {B} x {T} tokens, {A} micro-step(s) of {micro} rows per rank"
+              + (f", {len(buckets.buckets)} gradient buckets" if buckets else ""), flush=True)
+
+    @torch.no_grad()
+    def evaluate():
+        """Mean loss over eval_iters fixed batches per split; each rank evaluates its rows of
+        each batch and the means are averaged over ranks (equal row counts, so the global mean)."""
+        model.eval()
+        out = {}
+        for split in ("train", "val"):
+            total = torch.zeros((), device=device)
+            for k in range(args.eval_iters):
+                x, y = get_batch(split, k, B, T, args.seed + 1, args.dataset)
+                with autocast(args, device):
+                    _, loss = model(x[rank * rows:(rank + 1) * rows].to(device), y[rank * rows:(rank + 1) * rows].to(device))
+                total += loss.float()
+            dist.all_reduce(total, op=dist.ReduceOp.AVG)
+            out[split] = total.item() / args.eval_iters
+        model.train()
+        return out
+
+    # ---- training loop -------------------------------------------------------------------
+    for step in range(args.max_iters):
+        if args.eval_interval and step % args.eval_interval == 0:
+            metrics.eval(step, evaluate())
+        t0 = time.perf_counter()
+        lr = get_lr(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = get_batch("train", step, B, T, args.seed, args.dataset)
+        x, y = x[rank * rows:(rank + 1) * rows].to(device), y[rank * rows:(rank + 1) * rows].to(device)
+        loss_sum = torch.zeros((), device=device)
+        for j in range(A):
+            last = j == A - 1
+            if buckets is not None:
+                buckets.require_sync = last  # before the forward, like DDP's no_sync()
+            no_sync = train_model.no_sync() if buckets is None and not last else nullcontext()
+            with no_sync:
+                with autocast(args, device):
+                    _, loss = train_model(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro])
+                (loss / A).backward()  # each micro-step is 1/A of this rank's rows
+            if buckets is not None:
+                buckets.finish_backward()
+            loss_sum += loss.detach().float()
+        # Logged loss: the mean over all B*T tokens of the global batch (equal chunks: mean of means).
+        loss_sum /= A
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+        # Gradients are identical on every rank now: the pinned global norm needs no communication.
+        grads = [p.grad for p in model.parameters()]
+        norm = torch.stack([(g.float() * g.float()).sum() for g in grads]).sum().sqrt()
+        if args.grad_clip > 0:
+            clip = (args.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # zero in place: the grads stay views into the buckets
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, time.perf_counter() - t0, device,
+                     args.log_interval)
+        if rank == 0 and args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
+            save_checkpoint(model, optimizer, step + 1, config, args)
+
+    if args.eval_interval:
+        metrics.eval(args.max_iters, evaluate())
+    if rank == 0:
+        save_checkpoint(model, optimizer, args.max_iters, config, args)
+    state_bytes = tensor_bytes(model.parameters()) + tensor_bytes(grads) + optimizer_state_bytes(optimizer)
+    per_rank = [None] * world_size
+    dist.all_gather_object(per_rank, (state_bytes, peak_mem_bytes(device)))
+    metrics.summary([s for s, _ in per_rank], [m for _, m in per_rank])
+    metrics.close()
+    dist.destroy_process_group()
+
+
+def save_checkpoint(model, optimizer, step, config, args):
+    """Every rank holds the full model: rank 0 writes it as it is (the full format)."""
+    save_atomic(dict(model=model.state_dict(), optimizer=optimizer_state_by_name(model.named_parameters(), optimizer),
+                     step=step, config=asdict(config), args=vars(args)),
+                os.path.join(args.out_dir, "ckpt.pt"))
+
+
+if __name__ == "__main__":
+    main()
