@@ -1,0 +1,106 @@
+"""Shared test plumbing: offline data, launching scripts under torchrun, spawning gloo ranks."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch.multiprocessing as mp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(os.path.dirname(REPO), "shared")
+sys.path.insert(0, REPO)
+
+# Offline: use ../shared when it is there (never committed); otherwise the code downloads.
+if os.path.isdir(os.path.join(SHARED, "tiktoken_cache")):
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(SHARED, "tiktoken_cache"))
+_text = os.path.join(REPO, "data", "shakespeare", "input.txt")
+if not os.path.exists(_text) and os.path.exists(os.path.join(SHARED, "data", "tinyshakespeare", "input.txt")):
+    os.makedirs(os.path.dirname(_text), exist_ok=True)
+    shutil.copy(os.path.join(SHARED, "data", "tinyshakespeare", "input.txt"), _text)
+
+# A small config where one step takes a few tens of milliseconds on CPU.
+TINY = ["--n_layer", "2", "--n_head", "4", "--n_embd", "64", "--block_size", "32", "--batch_size", "8",
+        "--dropout", "0", "--bias", "true", "--tensorboard", "false", "--eval_interval", "0", "--log_interval", "1"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prepared_data():
+    from common import data
+    error = data.prepare("shakespeare")
+    assert error is None, error
+
+
+def launch(script, nproc, args, timeout=300):
+    """Run a strategy script: plain python when nproc is None, else torchrun with nproc ranks."""
+    if nproc is None:
+        cmd = [sys.executable, script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(cmd + list(args), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def step_losses(out_dir):
+    return [r["loss"] for r in read_metrics(out_dir) if "loss" in r]
+
+
+def run_losses(script, nproc, args, out_dir):
+    result = launch(script, nproc, list(args) + ["--out_dir", str(out_dir)])
+    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return step_losses(out_dir)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        queue.put((rank, fn(rank, world_size, *args)))
+    except BaseException as e:  # report, so the test fails instead of hanging
+        import traceback
+        queue.put((rank, RuntimeError(f"rank {rank}: {traceback.format_exc()}")))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size, *args, timeout=300):
+    """Run fn(rank, world_size, *args) on world_size gloo ranks; return the results by rank.
+    fn must be a module-level function of a test module (it is pickled)."""
+    import queue as queue_module
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world_size):  # drain before join: a child blocks until its result is read
+            rank, value = queue.get(timeout=timeout)
+            results[rank] = value
+            if isinstance(value, Exception):
+                raise value
+    except queue_module.Empty:
+        raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(results))} hung or died")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]

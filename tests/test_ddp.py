@@ -1,0 +1,212 @@
+"""ddp_train.py: buckets, overlap bookkeeping, no_sync, equality with torch DDP, bad input."""
+import re
+import time
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from conftest import TINY, launch, read_metrics, spawn
+from common.data import get_batch
+from common.model import GPT, GPTConfig
+from ddp_train import GradientBuckets
+
+CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
+CAP_MB = 0.05  # small enough for several buckets in CONFIG
+
+
+def _rows(rank, world_size, batch=8, step=0):
+    x, y = get_batch("train", step, batch, CONFIG.block_size, seed=0)
+    n = batch // world_size
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def _train_custom(model, buckets, x, y, accum):
+    micro = x.size(0) // accum
+    for j in range(accum):
+        buckets.require_sync = j == accum - 1  # set before the forward, as in ddp_train.py
+        _, loss = model(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro])
+        (loss / accum).backward()
+        buckets.finish_backward()
+
+
+def _custom_vs_torch_ddp(rank, world_size, accum):
+    x, y = _rows(rank, world_size)
+    custom = GPT(CONFIG, seed=0)
+    # identical init on every rank, without a broadcast: gather every rank's weights and compare
+    flat = torch.cat([p.detach().flatten() for p in custom.parameters()])
+    gathered = torch.empty(world_size * flat.numel())
+    dist.all_gather_into_tensor(gathered, flat)
+    same_init = all(torch.equal(chunk, flat) for chunk in gathered.chunk(world_size))
+    buckets = GradientBuckets(custom, CAP_MB)
+    _train_custom(custom, buckets, x, y, accum)
+
+    reference = DistributedDataParallel(GPT(CONFIG, seed=0), bucket_cap_mb=CAP_MB)
+    micro = x.size(0) // accum
+    for j in range(accum):
+        with reference.no_sync() if j < accum - 1 else nullcontext():
+            _, loss = reference(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro])
+            (loss / accum).backward()
+    diff = max((p.grad - q.grad).abs().max().item()
+               for p, q in zip(custom.parameters(), reference.module.parameters()))
+    in_buffers = all(any(b.buffer.data_ptr() <= p.grad.data_ptr() < b.buffer.data_ptr() + b.buffer.numel() * 4
+                         for b in buckets.buckets) for p in custom.parameters())
+    return same_init, diff, in_buffers, len(buckets.buckets)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_custom_gradients_equal_torch_ddp(accum):
+    for same_init, diff, in_buffers, n_buckets in spawn(_custom_vs_torch_ddp, 2, accum):
+        assert same_init, "ranks must start from identical weights"
+        assert diff <= 1e-6, diff
+        assert in_buffers, "after backward every .grad must still be a view into its bucket"
+        assert n_buckets > 2
+
+
+def _count_all_reduces(rank, world_size, accum):
+    model = GPT(CONFIG, seed=0)
+    buckets = GradientBuckets(model, CAP_MB)
+    calls, original = [], dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        x, y = _rows(rank, world_size)
+        micro = x.size(0) // accum
+        per_micro_step = []
+        for j in range(accum):
+            buckets.require_sync = j == accum - 1
+            _, loss = model(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro])
+            (loss / accum).backward()
+            launched_in_backward = len(calls)  # before the wait: fired from the hooks, i.e. overlapped
+            buckets.finish_backward()
+            per_micro_step.append((launched_in_backward, list(calls)))
+            calls.clear()
+    finally:
+        dist.all_reduce = original
+    return per_micro_step, [b.buffer.numel() for b in buckets.buckets]
+
+
+def test_all_reduce_count_per_step_is_bucket_count_and_zero_on_no_sync_micro_steps():
+    accum = 3
+    for per_micro_step, bucket_sizes in spawn(_count_all_reduces, 2, accum):
+        assert [len(calls) for _, calls in per_micro_step] == [0, 0, len(bucket_sizes)]
+        launched_in_backward, calls = per_micro_step[-1]
+        assert launched_in_backward == len(bucket_sizes), "every bucket must be launched from a hook, during backward"
+        assert sorted(calls) == sorted(bucket_sizes)
+
+
+def _accumulation_equals_full_batch(rank, world_size):
+    x, y = _rows(rank, world_size, batch=16)
+    grads = []
+    for accum in (1, 4):
+        model = GPT(CONFIG, seed=0)
+        _train_custom(model, GradientBuckets(model, CAP_MB), x, y, accum)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return max((a - b).abs().max().item() for a, b in zip(*grads))
+
+
+def test_gradient_accumulation_equals_one_full_batch_step():
+    assert max(spawn(_accumulation_equals_full_batch, 2)) <= 1e-6
+
+
+def _unused_parameter(rank, world_size):
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = torch.nn.Linear(4, 4)
+            self.unused = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x).sum()
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    buckets = GradientBuckets(model, bucket_cap_mb=1e-5)  # one bucket per tensor
+    x = torch.full((2, 4), float(rank + 1))
+    model(x).backward()
+    buckets.finish_backward()  # must not hang on the buckets whose gradients never arrive
+    return model.used.weight.grad.clone(), model.unused.weight.grad.clone()
+
+
+def test_unused_parameters_get_zero_gradient_and_no_hang():
+    (used0, unused0), (used1, _) = spawn(_unused_parameter, 2)
+    assert torch.equal(unused0, torch.zeros(4, 4))
+    assert torch.allclose(used0, torch.full((4, 4), 3.0))  # mean over ranks of 2 rows of 1s and 2 rows of 2s
+    assert torch.equal(used0, used1)
+
+
+def test_bucket_layout_for_a_cap():
+    model = GPT(CONFIG, seed=0)
+    params = list(model.parameters())[::-1]
+    cap = int(CAP_MB * 2**20)
+    buckets = GradientBuckets(model, CAP_MB).buckets
+    assert [p for b in buckets for p in b.params] == params  # reverse registration order, each once
+    for i, b in enumerate(buckets):
+        nbytes = b.buffer.numel() * 4
+        assert nbytes == sum(p.numel() * 4 for p in b.params)
+        assert nbytes <= cap or len(b.params) == 1  # only a tensor larger than the cap overflows it
+        if i + 1 < len(buckets):  # greedy: the next tensor did not fit
+            assert nbytes + buckets[i + 1].params[0].numel() * 4 > cap
+    sizes = [b.buffer.numel() for b in buckets]
+    # cap = 13107 fp32 values; a block holds 12704. Worked by hand: [ln_f + block 1 + block 0's
+    # mlp.c_proj.bias], [the rest of block 0], [wpe], [wte, which also carries the tied head, alone]
+    assert sizes == [64 + 12704 + 32, 12704 - 32, 16 * 32, 50304 * 32]
+    assert len(GradientBuckets(GPT(CONFIG, seed=0), 1e-9).buckets) == len(params)
+    assert len(GradientBuckets(GPT(CONFIG, seed=0), 1000).buckets) == 1
+
+
+# ---- bad input: one error line from rank 0 naming the flag, non-zero exit, no hang ------------
+
+BAD_INPUT = [
+    (None, ["--no_such_flag"], "--no_such_flag"),
+    (None, ["--n_layer", "0"], "--n_layer"),
+    (None, ["--learning_rate", "-1"], "--learning_rate"),
+    (None, ["--max_iters", "0"], "--max_iters"),
+    (None, ["--n_embd", "100", "--n_head", "3"], "--n_head"),
+    (None, ["--implementation", "jax"], "--implementation"),
+    (None, ["--dataset", "no_such_dataset"], "--dataset"),
+    (2, ["--batch_size", "6", "--grad_accum_steps", "2"], "--batch_size"),
+    (2, ["--block_size", "400000"], "--block_size"),
+    (2, ["--dataset", "no_such_dataset"], "--dataset"),
+]
+
+
+@pytest.mark.parametrize("nproc,flags,named", BAD_INPUT, ids=[" ".join(f) + f"-{n or 1}r" for n, f, _ in BAD_INPUT])
+def test_bad_input(nproc, flags, named, tmp_path):
+    start = time.time()
+    result = launch("ddp_train.py", nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags, timeout=60)
+    assert result.returncode != 0
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    assert named in errors[0]
+    # no traceback from our processes (torchrun itself prints a ChildFailedError summary)
+    assert not re.search(r'File ".*(ddp_train\.py|common/)', result.stdout + result.stderr)
+    assert time.time() - start < 30
+
+
+def test_single_process_run_writes_the_contract(tmp_path):
+    result = launch("ddp_train.py", None, TINY + ["--max_iters", "3", "--eval_interval", "2", "--eval_iters", "1",
+                                                  "--out_dir", str(tmp_path), "--tensorboard", "true"])
+    assert result.returncode == 0, result.stderr
+    records = read_metrics(tmp_path)
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert all(set(r) == {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_ms", "peak_mem_bytes"}
+               for r in steps)
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 2, 3] and all("loss" not in r and "train_loss" in r for r in evals)
+    summary = records[-1]
+    assert summary["summary"] is True and summary["model_state_bytes"] > 0 and summary["peak_mem_bytes"] > 0
+    assert summary["tokens_per_sec"] > 0
+    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert ckpt["step"] == 3 and "transformer.wte.weight" in ckpt["optimizer"]
+    model = GPT(GPTConfig(**ckpt["config"]), device="meta")
+    model.load_state_dict(ckpt["model"], assign=True)
+    model.tie_weights()
