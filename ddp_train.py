@@ -57,9 +57,17 @@ class GradientBuckets:
 
     Call `finish_backward()` after every backward. Set `require_sync = False` BEFORE the forward of a
     micro-step that should only accumulate locally (gradient accumulation; DDP's no_sync): those
-    micro-steps send nothing, and the last micro-step's all-reduce carries the sum of all of them."""
+    micro-steps send nothing, and the last micro-step's all-reduce carries the sum of all of them.
 
-    def __init__(self, model, bucket_cap_mb, group=None):
+    `embedding`: an nn.Embedding whose weight is tied to the output head (GPT's wte/lm_head). That
+    one tensor is most of the gradient bytes (50304 x 128 of the small model's 7.2M parameters), and
+    autograd would deliver its gradient last (the lookup is the first op of forward, so its backward
+    is the last), leaving its all-reduce exposed after backward. So the lookup's gradient is taken
+    off the autograd graph: the weight then receives only the head's dense gradient, early in
+    backward, and its bucket's all-reduce overlaps the whole block backward. The lookup's gradient
+    is sparse (one row per token) and is exchanged at the end with two small all-gathers."""
+
+    def __init__(self, model, bucket_cap_mb, group=None, embedding=None):
         self.group = group
         self.require_sync = True
         cap = int(bucket_cap_mb * 2**20)
@@ -77,6 +85,9 @@ class GradientBuckets:
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.embedding, self.gathers = embedding, None
+        if embedding is not None:
+            embedding.register_forward_hook(self._detach_lookup)
 
     def _grad_ready(self, p):
         # Runs inside backward, right after p.grad has been accumulated. A parameter used twice
@@ -88,6 +99,30 @@ class GradientBuckets:
             # and receives theirs, summing and dividing by N: afterwards every rank holds the mean
             # gradient. Async: backward keeps computing earlier layers while it is on the wire.
             bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+
+    def _detach_lookup(self, embedding, inputs, out):
+        # Forward hook on the embedding: return a detached copy of the lookup output, so autograd
+        # stops there; its gradient (shape of the output) comes to _lookup_grad_ready instead.
+        if not torch.is_grad_enabled():
+            return None
+        out = out.detach().requires_grad_()
+        ids = inputs[0]
+        out.register_hook(lambda grad: self._lookup_grad_ready(ids, grad))
+        return out
+
+    def _lookup_grad_ready(self, ids, grad):
+        # The last gradient of backward: d(loss)/d(looked-up rows), one row of C values per token.
+        ids, grad = ids.reshape(-1), grad.reshape(-1, grad.size(-1))
+        if not self.require_sync:  # accumulate locally, like every other gradient on no_sync steps
+            self.embedding.weight.grad.index_add_(0, ids, grad)
+            return
+        # Every rank needs every rank's rows: all-gather the token ids (8 bytes each) and the row
+        # gradients (4*C bytes each) of all N ranks, instead of all-reducing a dense vocab x C tensor.
+        n = dist.get_world_size(self.group)
+        all_ids = ids.new_empty(n * ids.numel())
+        all_grad = grad.new_empty(n * grad.size(0), grad.size(1))
+        self.gathers = (all_ids, all_grad, [dist.all_gather_into_tensor(all_ids, ids, group=self.group, async_op=True),
+                                            dist.all_gather_into_tensor(all_grad, grad.contiguous(), group=self.group, async_op=True)])
 
     def finish_backward(self):
         """The one wait at the end of backward (on syncing micro-steps). Parameters that got no
@@ -101,6 +136,14 @@ class GradientBuckets:
                 bucket.work.wait()
                 bucket.work = None
             bucket.pending = len(bucket.params)
+        if self.gathers is not None:
+            # mean over ranks of (head + lookup) = all-reduced mean of the head part + (1/N) * sum of
+            # every rank's lookup rows, added after the bucket holding the weight has been reduced.
+            all_ids, all_grad, works = self.gathers
+            for work in works:
+                work.wait()
+            self.embedding.weight.grad.index_add_(0, all_ids, all_grad, alpha=1.0 / dist.get_world_size(self.group))
+            self.gathers = None
 
 
 def add_ddp_flags(group):
@@ -124,7 +167,7 @@ def main(argv=None):
     # tests/test_ddp.py checks across ranks, so no broadcast of rank 0's parameters is needed.
     model = GPT(config, seed=args.seed, device=device)
     if args.implementation == "custom":
-        buckets = GradientBuckets(model, args.bucket_cap_mb)
+        buckets = GradientBuckets(model, args.bucket_cap_mb, embedding=model.transformer.wte)
         train_model = model
     else:
         buckets = None

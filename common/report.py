@@ -1,0 +1,103 @@
+"""The tables run_all.sh prints, read from the runs' metrics.jsonl files.
+
+  python -m common.report smoke RUNS_DIR   # one row per run vs RUNS_DIR/reference; exit 1 on failure/divergence
+  python -m common.report bench RUNS_DIR   # median tokens/s per (strategy, implementation) over alternating
+                                           # rounds, custom/pytorch ratios, and ratios to the 1-process limit
+Run folders are named <strategy>-<implementation>[-r<round>]; each holds metrics.jsonl and exit_code.
+"""
+import json
+import os
+import statistics
+import sys
+
+SMOKE_TOL = 1e-4  # a run "diverges" when a step's loss is further than this from the reference
+
+
+def load(run_dir):
+    run = {"exit_code": None, "losses": [], "summary": None}
+    code = os.path.join(run_dir, "exit_code")
+    if os.path.exists(code):
+        run["exit_code"] = int(open(code).read().strip() or 1)
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        for line in open(path):
+            r = json.loads(line)
+            if "loss" in r:
+                run["losses"].append(r["loss"])
+            if r.get("summary"):
+                run["summary"] = r
+    run["ok"] = run["exit_code"] == 0 and run["summary"] is not None
+    return run
+
+
+def mib(nbytes):
+    return f"{nbytes / 2**20:.0f}"
+
+
+def smoke(runs_dir):
+    reference = load(os.path.join(runs_dir, "reference"))
+    if not reference["ok"]:
+        print("FAILED: the single-process reference run failed")
+        return 1
+    failed = []
+    print(f"{'strategy':<10} {'impl':<8} {'final loss':>10} {'max |dloss|':>12} {'tokens/s':>10} {'peak MiB/rank':>14}  status")
+    for name in sorted(os.listdir(runs_dir)):
+        if name == "reference" or not os.path.isdir(os.path.join(runs_dir, name)):
+            continue
+        strategy, implementation = name.rsplit("-", 1)
+        run = load(os.path.join(runs_dir, name))
+        status, final, delta, tps, peak = "ok", "-", "-", "-", "-"
+        if not run["ok"]:
+            status = f"FAILED (exit {run['exit_code']})"
+        else:
+            d = max(abs(a - b) for a, b in zip(run["losses"], reference["losses"]))
+            if len(run["losses"]) != len(reference["losses"]) or not d <= SMOKE_TOL:
+                status = f"DIVERGED (> {SMOKE_TOL:g})"
+            final, delta = f"{run['losses'][-1]:.4f}", f"{d:.2e}"
+            tps = f"{run['summary']['tokens_per_sec']:,.0f}"
+            peak = mib(max(run["summary"]["peak_mem_bytes_per_rank"]))
+        if status != "ok":
+            failed.append(name)
+        print(f"{strategy:<10} {implementation:<8} {final:>10} {delta:>12} {tps:>10} {peak:>14}  {status}")
+    print(f"reference (1 process): final loss {reference['losses'][-1]:.4f}, "
+          f"{reference['summary']['tokens_per_sec']:,.0f} tokens/s")
+    if failed:
+        print("FAILED: " + ", ".join(failed))
+        return 1
+    return 0
+
+
+def bench(runs_dir):
+    rounds = {}  # (strategy, implementation) -> [run, ...]
+    for name in sorted(os.listdir(runs_dir)):
+        if os.path.isdir(os.path.join(runs_dir, name)):
+            strategy, implementation, _ = name.rsplit("-", 2)
+            rounds.setdefault((strategy, implementation), []).append(load(os.path.join(runs_dir, name)))
+    medians, failed = {}, []
+    print(f"{'strategy':<10} {'impl':<8} {'tokens/s (median of rounds)':>28} {'per round':>28} {'peak MiB/rank':>14}")
+    for (strategy, implementation), runs in sorted(rounds.items()):
+        if not all(r["ok"] for r in runs):
+            failed.append(f"{strategy}-{implementation}")
+            print(f"{strategy:<10} {implementation:<8} FAILED")
+            continue
+        per_round = [r["summary"]["tokens_per_sec"] for r in runs]
+        medians[(strategy, implementation)] = statistics.median(per_round)
+        peak = max(max(r["summary"]["peak_mem_bytes_per_rank"]) for r in runs)
+        print(f"{strategy:<10} {implementation:<8} {statistics.median(per_round):>28,.0f} "
+              f"{' '.join(f'{t:,.0f}' for t in per_round):>28} {mib(peak):>14}")
+    print()
+    limit = medians.get(("limit", "1proc"))
+    for (strategy, implementation), tps in sorted(medians.items()):
+        if implementation == "custom" and (strategy, "pytorch") in medians:
+            print(f"{strategy}: custom/pytorch tokens/s = {tps / medians[(strategy, 'pytorch')]:.3f}")
+        if limit and strategy not in ("limit",):
+            print(f"{strategy} {implementation}: tokens/s vs one process on all cores = {tps / limit:.3f}")
+    if failed:
+        print("FAILED: " + ", ".join(failed))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    mode, runs_dir = sys.argv[1], sys.argv[2]
+    sys.exit({"smoke": smoke, "bench": bench}[mode](runs_dir))

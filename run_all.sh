@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# nanodist smoke test and benchmark.
+#   ./run_all.sh           every strategy script present, custom and pytorch, a few steps on 2 ranks;
+#                          prints one table and exits non-zero if any run fails or diverges from the
+#                          single-process reference (python ddp_train.py with the same flags).
+#   ./run_all.sh --bench   a longer config; custom and pytorch runs alternate for $ROUNDS rounds in one
+#                          invocation, next to one process using every core on the same global batch
+#                          (the limit on one machine); prints tokens/s, peak memory and the ratios.
+# Environment: NPROC (ranks, default 2), ROUNDS (bench rounds, default 3), PYTHON (default python3).
+set -uo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+NPROC=${NPROC:-2}
+ROUNDS=${ROUNDS:-3}
+MODE=smoke
+[ "${1:-}" = "--bench" ] && MODE=bench
+
+# What it needs: the packages, and offline copies of the data and tokenizer when ../shared has them.
+"$PYTHON" -c "import torch, tiktoken, numpy, tensorboard" 2>/dev/null || "$PYTHON" -m pip install -q -r requirements.txt || exit 1
+[ -d ../shared/tiktoken_cache ] && export TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-$(cd ../shared/tiktoken_cache && pwd)}
+if [ ! -f data/shakespeare/input.txt ] && [ -f ../shared/data/tinyshakespeare/input.txt ]; then
+  mkdir -p data/shakespeare && cp ../shared/data/tinyshakespeare/input.txt data/shakespeare/input.txt
+fi
+
+SCRIPTS=$(for s in ddp fsdp zero3 tp pp; do [ -f "${s}_train.py" ] && echo "$s"; done)
+RUNS=runs/$MODE
+rm -rf "$RUNS" && mkdir -p "$RUNS"
+COMMON="--eval_interval 0 --tensorboard false --log_interval 10"
+if [ "$MODE" = smoke ]; then
+  FLAGS="$COMMON --max_iters 10"           # the default model: 4 layers, 128 wide, batch 16 x 64
+else
+  FLAGS="$COMMON --max_iters 30 --warmup_iters 5"
+fi
+
+run() {  # run NAME NPROC SCRIPT FLAGS...: one training run into $RUNS/NAME
+  local name=$1 nproc=$2 script=$3; shift 3
+  local dir=$RUNS/$name
+  mkdir -p "$dir"
+  if [ "$nproc" = 1 ]; then
+    "$PYTHON" "$script" "$@" --out_dir "$dir" >"$dir/log.txt" 2>&1
+  else
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" "$script" "$@" --out_dir "$dir" >"$dir/log.txt" 2>&1
+  fi
+  local code=$?
+  echo $code >"$dir/exit_code"
+  printf '  %-22s exit %s\n' "$name" "$code"
+}
+
+echo "nanodist $MODE: $NPROC ranks, strategies: $(echo $SCRIPTS)"
+if [ "$MODE" = smoke ]; then
+  run reference 1 ddp_train.py $FLAGS
+  for s in $SCRIPTS; do
+    for impl in custom pytorch; do
+      run "$s-$impl" "$NPROC" "${s}_train.py" $FLAGS --implementation $impl
+    done
+  done
+else
+  for r in $(seq 1 "$ROUNDS"); do
+    run "limit-1proc-r$r" 1 ddp_train.py $FLAGS  # one process, all cores, same global batch
+    for s in $SCRIPTS; do
+      for impl in custom pytorch; do
+        run "$s-$impl-r$r" "$NPROC" "${s}_train.py" $FLAGS --implementation $impl
+      done
+    done
+  done
+fi
+echo
+"$PYTHON" -m common.report "$MODE" "$RUNS"
