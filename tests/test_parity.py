@@ -24,6 +24,7 @@ FLAGS = TINY + ["--max_iters", str(STEPS), "--learning_rate", "1e-3", "--min_lr"
 TOL = 1e-5  # fp32 on CPU; the largest |dloss| measured here is printed by each row
 
 # One row per (script, implementation, ranks, extra flags). Later strategies add their rows here.
+# Extra flags in MODEL_FLAGS also go to the reference and the plain loop (see below).
 STRATEGIES = [
     ("ddp_train.py", "custom", 2, []),
     ("ddp_train.py", "pytorch", 2, []),
@@ -32,10 +33,12 @@ STRATEGIES = [
 ]
 
 
-def plain_pytorch_losses(steps=STEPS, lr_max=1e-3, lr_min=1e-4, warmup=5, seed=1337):
+def plain_pytorch_losses(steps=STEPS, lr_max=1e-3, lr_min=1e-4, warmup=5, seed=1337,
+                         n_layer=2, n_head=4, n_embd=64, batch_size=8):
     """The textbook loop, independent of every strategy script and of common.config."""
     torch.set_num_threads(2)
-    config = GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=64, dropout=0.0, bias=True)
+    config = GPTConfig(block_size=32, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                       dropout=0.0, bias=True)
     model = GPT(config, seed=seed)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
@@ -49,7 +52,7 @@ def plain_pytorch_losses(steps=STEPS, lr_max=1e-3, lr_min=1e-4, warmup=5, seed=1
             lr = lr_min + 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup))) * (lr_max - lr_min)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = get_batch("train", step, 8, 32, seed)
+        x, y = get_batch("train", step, batch_size, 32, seed)
         _, loss = model(x, y)
         loss.backward()
         norm = torch.stack([(p.grad * p.grad).sum() for p in params]).sum().sqrt()
@@ -61,15 +64,29 @@ def plain_pytorch_losses(steps=STEPS, lr_max=1e-3, lr_min=1e-4, warmup=5, seed=1
     return losses
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    ref = run_losses("ddp_train.py", None, FLAGS, tmp_path_factory.mktemp("reference"))
-    return ref
+# Flags a row may add that change the model or batch (e.g. more layers for 4 pipeline stages): the
+# reference and the plain loop are then run with the same values. Anything else a row adds must not
+# change the math (strategy flags, --grad_accum_steps).
+MODEL_FLAGS = ("--n_layer", "--n_head", "--n_embd", "--batch_size")
+
+
+def model_flags(extra):
+    return tuple(x for i, flag in enumerate(extra) if flag in MODEL_FLAGS for x in (flag, extra[i + 1]))
 
 
 @pytest.fixture(scope="module")
-def plain():
-    return plain_pytorch_losses()
+def references(tmp_path_factory):
+    """(reference, plain) losses per distinct model_flags(extra), computed once."""
+    cache = {}
+
+    def get(extra=()):
+        key = model_flags(extra)
+        if key not in cache:
+            ref = run_losses("ddp_train.py", None, FLAGS + list(key), tmp_path_factory.mktemp("reference"))
+            sizes = {flag[2:]: int(value) for flag, value in zip(key[::2], key[1::2])}
+            cache[key] = ref, plain_pytorch_losses(**sizes)
+        return cache[key]
+    return get
 
 
 def record(name, deltas):
@@ -79,7 +96,8 @@ def record(name, deltas):
     print(name, deltas)
 
 
-def test_reference_equals_plain_pytorch(reference, plain):
+def test_reference_equals_plain_pytorch(references):
+    reference, plain = references()
     assert len(reference) == STEPS
     delta = max(abs(a - b) for a, b in zip(reference, plain))
     record("reference vs plain", {"max_abs_dloss": delta})
@@ -90,7 +108,8 @@ def test_reference_equals_plain_pytorch(reference, plain):
 @pytest.mark.parametrize("script,implementation,nproc,extra", STRATEGIES,
                          ids=[f"{s[:-9]}-{i}-{n}r{'-' + '-'.join(e).replace('--', '') if e else ''}"
                               for s, i, n, e in STRATEGIES])
-def test_parity(script, implementation, nproc, extra, reference, plain, tmp_path):
+def test_parity(script, implementation, nproc, extra, references, tmp_path):
+    reference, plain = references(extra)
     losses = run_losses(script, nproc, FLAGS + ["--implementation", implementation] + extra, tmp_path)
     assert len(losses) == STEPS
     vs_reference = max(abs(a - b) for a, b in zip(losses, reference))
