@@ -46,22 +46,22 @@ run() {  # run NAME NPROC SCRIPT FLAGS...: one training run into $RUNS/NAME
   printf '  %-22s exit %s\n' "$name" "$code"
 }
 
+run_strategies() {  # run_strategies SUFFIX: every script present, custom then pytorch
+  for s in $SCRIPTS; do
+    for impl in custom pytorch; do
+      run "$s-$impl$1" "$NPROC" "${s}_train.py" $FLAGS --implementation $impl
+    done
+  done
+}
+
 echo "nanodist $MODE: $NPROC ranks, strategies: $(echo $SCRIPTS)"
 if [ "$MODE" = smoke ]; then
   run reference 1 ddp_train.py $FLAGS
-  for s in $SCRIPTS; do
-    for impl in custom pytorch; do
-      run "$s-$impl" "$NPROC" "${s}_train.py" $FLAGS --implementation $impl
-    done
-  done
+  run_strategies ""
 else
   for r in $(seq 1 "$ROUNDS"); do
     run "limit-1proc-r$r" 1 ddp_train.py $FLAGS  # one process, all cores, same global batch
-    for s in $SCRIPTS; do
-      for impl in custom pytorch; do
-        run "$s-$impl-r$r" "$NPROC" "${s}_train.py" $FLAGS --implementation $impl
-      done
-    done
+    run_strategies "-r$r"
   done
 fi
 echo

@@ -1,0 +1,48 @@
+"""common/report.py: the tables run_all.sh prints and its pass/fail verdict."""
+import json
+
+from common import report
+
+
+def fake_run(runs, name, losses, exit_code=0, tokens_per_sec=1000.0, summary=True):
+    run = runs / name
+    run.mkdir()
+    (run / "exit_code").write_text(f"{exit_code}\n")
+    with open(run / "metrics.jsonl", "w") as f:
+        for step, loss in enumerate(losses):
+            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+        if summary:
+            f.write(json.dumps({"summary": True, "tokens_per_sec": tokens_per_sec,
+                                "peak_mem_bytes_per_rank": [2**20, 2**21]}) + "\n")
+
+
+def test_smoke_passes_when_every_run_matches_the_reference(tmp_path, capsys):
+    fake_run(tmp_path, "reference", [10.0, 9.0])
+    fake_run(tmp_path, "ddp-custom", [10.0, 9.00001])
+    fake_run(tmp_path, "ddp-pytorch", [10.0, 9.0])
+    assert report.smoke(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "ddp        custom" in out and "1.00e-05" in out
+
+
+def test_smoke_fails_on_divergence_crash_or_missing_reference(tmp_path, capsys):
+    fake_run(tmp_path, "reference", [10.0, 9.0])
+    fake_run(tmp_path, "ddp-custom", [10.0, 9.1])
+    fake_run(tmp_path, "ddp-pytorch", [10.0], exit_code=1, summary=False)
+    assert report.smoke(str(tmp_path)) == 1
+    out = capsys.readouterr().out
+    assert "DIVERGED" in out and "FAILED (exit 1)" in out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert report.smoke(str(empty)) == 1
+
+
+def test_bench_ratios_use_the_median_of_alternating_rounds(tmp_path, capsys):
+    for r, (custom, pytorch, limit) in enumerate([(110, 100, 100), (90, 100, 100), (130, 100, 120)], 1):
+        fake_run(tmp_path, f"ddp-custom-r{r}", [1.0], tokens_per_sec=custom)
+        fake_run(tmp_path, f"ddp-pytorch-r{r}", [1.0], tokens_per_sec=pytorch)
+        fake_run(tmp_path, f"limit-1proc-r{r}", [1.0], tokens_per_sec=limit)
+    assert report.bench(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "ddp: custom/pytorch tokens/s = 1.100" in out
+    assert "ddp custom: tokens/s vs one process on all cores = 1.100" in out
