@@ -118,11 +118,12 @@ class GradientBuckets:
             return
         # Every rank needs every rank's rows: all-gather the token ids (8 bytes each) and the row
         # gradients (4*C bytes each) of all N ranks, instead of all-reducing a dense vocab x C tensor.
+        # (all_gather_single is torch 2.13's name for all_gather_into_tensor, now deprecated.)
         n = dist.get_world_size(self.group)
         all_ids = ids.new_empty(n * ids.numel())
         all_grad = grad.new_empty(n * grad.size(0), grad.size(1))
-        self.gathers = (all_ids, all_grad, [dist.all_gather_into_tensor(all_ids, ids, group=self.group, async_op=True),
-                                            dist.all_gather_into_tensor(all_grad, grad.contiguous(), group=self.group, async_op=True)])
+        self.gathers = (all_ids, all_grad, [dist.all_gather_single(all_ids, ids, group=self.group, async_op=True),
+                                            dist.all_gather_single(all_grad, grad.contiguous(), group=self.group, async_op=True)])
 
     def finish_backward(self):
         """The one wait at the end of backward (on syncing micro-steps). Parameters that got no

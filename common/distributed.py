@@ -31,6 +31,9 @@ def setup(args):
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+    # Seeds only what is random at run time (dropout): weights come from init_tensor, batches from
+    # get_batch. Each rank gets its own stream, so ranks drop different units of their different rows.
+    torch.manual_seed(args.seed + rank)
     backend = "nccl" if use_cuda else "gloo"
     timeout = timedelta(seconds=float(os.environ.get("NANODIST_TIMEOUT_S", 600)))
     if torchrun:

@@ -38,7 +38,7 @@ def _custom_vs_torch_ddp(rank, world_size, accum):
     # identical init on every rank, without a broadcast: gather every rank's weights and compare
     flat = torch.cat([p.detach().flatten() for p in custom.parameters()])
     gathered = torch.empty(world_size * flat.numel())
-    dist.all_gather_into_tensor(gathered, flat)
+    dist.all_gather_single(gathered, flat)
     same_init = all(torch.equal(chunk, flat) for chunk in gathered.chunk(world_size))
     buckets = GradientBuckets(custom, CAP_MB, embedding=custom.transformer.wte)
     _train_custom(custom, buckets, x, y, accum)
