@@ -4,6 +4,8 @@ Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK in the environment) it joins the job;
 `python script.py` it makes a one-rank group in memory, so every script runs the same code path
 and `python <script>.py` is the single-process reference.
 """
+import atexit
+import gc
 import os
 from datetime import timedelta
 
@@ -40,6 +42,11 @@ def setup(args):
         dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
     else:  # single process: a one-rank group in memory, no port needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    # FSDP2/DTensor modules sit in reference cycles that hold gloo work objects; if they are first
+    # freed during interpreter shutdown, a gloo thread is destroyed unjoined and the rank aborts
+    # ("terminate called without an active exception", 3 in 10 runs at 4 ranks here). Collecting
+    # them at exit, while the interpreter is still whole, makes teardown clean.
+    atexit.register(gc.collect)
     return rank, world_size, device
 
 
