@@ -1,0 +1,364 @@
+"""fsdp_train.py: shards, gradients (tied weight, padding, accumulation), global norm, memory ledger,
+gathered buffers freed between units, prefetch order, deferred init, checkpoint round trip, bad input."""
+import math
+import re
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from conftest import TINY, launch, read_metrics, spawn
+from common.data import get_batch
+from common.model import GPT, GPTConfig, init_tensor
+from fsdp_train import FlatParamUnit, FullyShardedGPT, clip_by_global_norm, full_state
+
+CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
+
+
+def _sharded(config, rank, world_size, reshard=True, prefetch=True, deferred=False):
+    model = GPT(config, seed=0, device="meta" if deferred else "cpu")
+    keys = list(model.state_dict().keys())
+    full = dict(model.named_parameters())
+    value_of = (lambda n, s: init_tensor(n, s, config, 0)) if deferred else (lambda n, s: full[n].detach())
+    fsdp = FullyShardedGPT(model, value_of, rank, world_size, torch.device("cpu"), torch.float32, reshard, prefetch)
+    return model, fsdp, keys
+
+
+def _gather(shard):
+    out = shard.new_empty(shard.numel() * dist.get_world_size())
+    dist.all_gather_single(out, shard.contiguous())
+    return out
+
+
+def _full_grads(fsdp):
+    """{name: full gradient} from the reduce-scattered shards."""
+    grads = {}
+    for unit in fsdp.units:
+        flat = _gather(unit.local_shard.grad)
+        assert torch.all(flat[unit.numel:] == 0), "padding must carry no gradient"
+        for (names, shape, _), piece in zip(unit.tensors, flat.split(unit.numels + [unit.padding])):
+            grads[names[0]] = piece.view(shape)
+    return grads
+
+
+def _gradients_vs_reference(rank, world_size, accum):
+    batch = 2 * world_size * accum
+    x, y = get_batch("train", 0, batch, CONFIG.block_size, seed=0)
+    rows = batch // world_size
+    model, fsdp, _ = _sharded(CONFIG, rank, world_size)
+    xs, ys = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+    micro = rows // accum
+    for j in range(accum):
+        _, loss = model(xs[j * micro:(j + 1) * micro], ys[j * micro:(j + 1) * micro])
+        (loss / accum).backward()
+        fsdp.finish_backward()
+    grads = _full_grads(fsdp)
+    norm = clip_by_global_norm(fsdp.local_grads(), 0.0).item()
+
+    reference = GPT(CONFIG, seed=0)  # the whole global batch in one process
+    _, loss = reference(x, y)
+    loss.backward()
+    ref = dict(reference.named_parameters())
+    ref_norm = torch.stack([(p.grad * p.grad).sum() for p in ref.values()]).sum().sqrt().item()
+    diff = max((grads[n] - p.grad).abs().max().item() for n, p in ref.items())
+    # untied copy: the head's and the lookup's gradients apart; the tied gradient must be their sum
+    untied = GPT(CONFIG, seed=0)
+    untied.lm_head.weight = torch.nn.Parameter(untied.transformer.wte.weight.detach().clone())
+    untied(x, y)[1].backward()
+    head, lookup = untied.lm_head.weight.grad, untied.transformer.wte.weight.grad
+    wte = grads["transformer.wte.weight"]
+    tied = ((wte - (head + lookup)).abs().max().item(), (wte - head).abs().max().item(), (wte - lookup).abs().max().item())
+    return diff, tied, norm, ref_norm, [u.padding for u in fsdp.units]
+
+
+# Starting gloo ranks costs seconds: each world size is spawned once per module, its checks below.
+def _three_ranks(rank, world_size):
+    return dict(gradients=_gradients_vs_reference(rank, world_size, 2), tiny=_tiny_unit(rank, world_size))
+
+
+def _two_ranks(rank, world_size, path):
+    return dict(ledgers=_ledgers(rank, world_size, LEDGER_RUNS), checkpoint=_checkpoint_round_trip(rank, world_size),
+                sharded=_sharded_round_trip(rank, world_size, path))
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return spawn(_three_ranks, 3)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sharded")
+    return spawn(_two_ranks, 2, str(path)), path
+
+
+def test_gradients_tied_weight_and_global_norm_equal_the_reference(three_ranks):
+    # 3 ranks pad the blocks (12704 values); 2 micro-steps accumulate into the sharded gradient
+    for diff, tied, norm, ref_norm, padding in (r["gradients"] for r in three_ranks):
+        assert padding[0] > 0
+        assert diff <= 2e-6, diff  # every tensor, the tied wte/lm_head included
+        assert tied[0] <= 2e-6 and min(tied[1:]) > 1e-4, tied  # both paths, summed
+        assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (norm, ref_norm)
+
+
+LEDGER_CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=4, n_head=2, n_embd=32)  # 4 blocks
+
+
+def _ledger_and_freeing(rank, world_size, reshard, prefetch):
+    model, fsdp, _ = _sharded(LEDGER_CONFIG, rank, world_size, reshard, prefetch)
+    blocks = fsdp.blocks
+    after_setup = fsdp.gathered_bytes()
+    events, views_in_buffer = [], []
+
+    def gathered():
+        return [i for i, u in enumerate(blocks) if u.is_gathered()]
+
+    for i, block in enumerate(model.transformer.h):  # registered after fsdp's hooks: run after them
+        def pre(module, args, i=i):
+            views_in_buffer.append(all(
+                p.untyped_storage().data_ptr() == blocks[i].flat_param.untyped_storage().data_ptr()
+                for p in (module.ln_1.weight, module.attn.c_attn.weight, module.mlp.c_proj.bias)))
+            events.append(("pre_forward", i, gathered()))
+
+        def post(module, args, out, i=i):
+            events.append(("post_forward", i, gathered()))
+            out.register_hook(lambda g: events.append(("backward", i, gathered())))
+        block.register_forward_pre_hook(pre)
+        block.register_forward_hook(post)
+
+    calls, originals = [], (dist.all_gather_single, dist.reduce_scatter_single)
+
+    def count(name, original):
+        def wrapper(*args, **kwargs):
+            calls.append((name, args[1].numel()))
+            return original(*args, **kwargs)
+        return wrapper
+    dist.all_gather_single, dist.reduce_scatter_single = count("gather", originals[0]), count("scatter", originals[1])
+    try:
+        optimizer = torch.optim.AdamW([u.local_shard for u in fsdp.units], lr=1e-3)
+        x, y = get_batch("train", 0, 2 * world_size, LEDGER_CONFIG.block_size, seed=0)
+        _, loss = model(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
+        loss.backward()
+        fsdp.finish_backward()
+        after_backward = fsdp.gathered_bytes()
+        optimizer.step()
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = originals
+    held = sum(u.local_shard.numel() * 4 * 2 for u in fsdp.units) + sum(
+        v.numel() * v.element_size() for s in optimizer.state.values() for k, v in s.items() if k != "step")
+    n_params = sum(u.numel for u in fsdp.units)
+    flat_grads_left = [u.flat_param.grad is None for u in fsdp.units]
+    return dict(after_setup=after_setup, after_backward=after_backward, events=events, held=held,
+                n_params=n_params, views_in_buffer=views_in_buffer, calls=calls, flat_grads_left=flat_grads_left,
+                block_bytes=blocks[0].flat_param.numel() * 4)
+
+
+def _ledgers(rank, world_size, configs):
+    return [_ledger_and_freeing(rank, world_size, reshard, prefetch) for reshard, prefetch in configs]
+
+
+LEDGER_RUNS = [(True, True), (True, False), (False, True)]  # (reshard_after_forward, prefetch)
+
+
+def test_memory_ledger_freed_buffers_and_prefetch_order(two_ranks):
+    for k, (reshard, prefetch) in enumerate(LEDGER_RUNS):
+        for r in (results["ledgers"][k] for results in two_ranks[0]):
+            _check_ledger(r, 2, reshard, prefetch)
+
+
+def _check_ledger(r, world_size, reshard, prefetch):
+    # params + grads + AdamW (exp_avg, exp_avg_sq) held per rank: 16 P / N bytes, padding within 5%
+    assert abs(r["held"] - 16 * r["n_params"] / world_size) <= 0.05 * 16 * r["n_params"] / world_size
+    assert r["after_setup"] == 0 and r["after_backward"] == 0, "nothing stays gathered outside a step"
+    assert all(r["flat_grads_left"]), "full flat gradients are dropped once reduce-scattered"
+    assert all(r["views_in_buffer"]), "parameters must be views into the gathered flat buffer"
+    events = r["events"]
+    if reshard:  # at most two blocks gathered (+ the root); without reshard all stay until backward
+        assert all(len(g) <= 2 for _, _, g in events), events
+    n_blocks = LEDGER_CONFIG.n_layer
+    assert [k for k, _, _ in events].count("backward") == n_blocks
+    for kind, i, g in events:
+        if kind == "pre_forward":
+            assert i in g
+            if prefetch and i + 1 < n_blocks:
+                assert i + 1 in g, "the next block's all-gather must be in flight before this block runs"
+            if not prefetch and reshard:
+                assert g == [i], events
+        if kind == "backward":
+            assert i in g and (not prefetch or i == 0 or i - 1 in g), "block i - 1 is prefetched during block i's backward"
+        if kind == "post_forward":
+            assert (i in g) == (not reshard), "reshard after forward frees the block's buffer"
+    gathers = [n for k, n in r["calls"] if k == "gather"]
+    scatters = [n for k, n in r["calls"] if k == "scatter"]
+    assert len(gathers) == 1 + n_blocks + (n_blocks if reshard else 0)  # root once; blocks again in backward
+    assert len(scatters) == 1 + n_blocks  # one reduce-scatter per unit
+    # each all-gather sends one shard; each reduce-scatter sends a whole flat gradient (N shards)
+    expected = [n // world_size for n in scatters] + ([r["block_bytes"] // 4 // world_size] * n_blocks if reshard else [])
+    assert sorted(gathers) == sorted(expected)
+
+
+class TensorBytes(TorchDispatchMode):
+    """Counts the bytes of live CPU tensor storages allocated while active (outputs sharing an
+    input's storage are views, not allocations), and the peak: tracemalloc for tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def _free(self, nbytes):
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage().data_ptr() not in inputs:
+                storage = t.untyped_storage()  # its Python object lives exactly as long as the storage
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._free, storage.nbytes())
+        return out
+
+
+def test_deferred_init_equals_sharding_the_whole_model_and_never_holds_it():
+    # blocks large enough that the 50304-row embedding is not nearly the whole model
+    config = GPTConfig(block_size=16, vocab_size=50304, n_layer=16, n_head=4, n_embd=128)
+    rank, world_size = 3, 8  # construction alone needs no process group
+    with TensorBytes() as deferred_meter:
+        _, deferred, _ = _sharded(config, rank, world_size, deferred=True)
+    with TensorBytes() as whole_meter:
+        _, whole, _ = _sharded(config, rank, world_size, deferred=False)
+    assert all(torch.equal(a.local_shard, b.local_shard) for a, b in zip(deferred.units, whole.units))
+    full_bytes = 4 * sum(u.numel for u in whole.units)
+    shard_bytes = 4 * sum(u.shard_size for u in whole.units)
+    largest = 4 * config.vocab_size * config.n_embd
+    assert whole_meter.peak >= full_bytes  # the meter sees the whole model being built
+    assert deferred_meter.peak < 0.85 * full_bytes, (deferred_meter.peak, full_bytes)
+    # at most one full tensor (drawn whole by init_tensor) beyond this rank's shards and their grads
+    assert deferred_meter.peak <= largest + 2 * shard_bytes
+    # and the small config, every rank of 3 (padding)
+    for r in range(3):
+        a = _sharded(CONFIG, r, 3, deferred=True)[1]
+        b = _sharded(CONFIG, r, 3)[1]
+        assert all(torch.equal(u.local_shard, v.local_shard) for u, v in zip(a.units, b.units))
+
+
+def _checkpoint_round_trip(rank, world_size):
+    model, fsdp, keys = _sharded(CONFIG, rank, world_size)
+    optimizer = torch.optim.AdamW([u.local_shard for u in fsdp.units], lr=1e-2)
+    x, y = get_batch("train", 0, 4, CONFIG.block_size, seed=0)
+    _, loss = model(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
+    loss.backward()
+    fsdp.finish_backward()
+    optimizer.step()  # so the weights differ from the init
+    model_state, optim_state = full_state(model, fsdp, optimizer, keys)
+    with torch.no_grad():
+        logits, _ = model(x)
+    plain = GPT(CONFIG, device="meta")  # ddp_train.py's model
+    plain.load_state_dict(model_state, assign=True)
+    plain.tie_weights()
+    with torch.no_grad():
+        plain_logits, _ = plain(x)
+    moved = (model_state["transformer.h.0.attn.c_attn.weight"] - GPT(CONFIG, seed=0).transformer.h[0].attn.c_attn.weight).abs().max()
+    return (torch.equal(logits, plain_logits), list(model_state) == keys, moved.item() > 0,
+            sorted(optim_state) == sorted(n for n, _ in GPT(CONFIG, device="meta").named_parameters()),
+            tuple(optim_state["transformer.wte.weight"]["exp_avg"].shape))
+
+
+def test_full_checkpoint_loads_into_the_plain_model_with_identical_logits(two_ranks):
+    for same_logits, same_keys, moved, optim_keys, shape in (r["checkpoint"] for r in two_ranks[0]):
+        assert same_logits and same_keys and moved and optim_keys
+        assert shape == (50304, 32)
+
+
+def _tiny_unit(rank, world_size):
+    ln = torch.nn.LayerNorm(1)  # 2 values, fewer than the ranks
+    names = (["weight"], torch.Size([1]), [(ln, "weight")]), (["bias"], torch.Size([1]), [(ln, "bias")])
+    unit = FlatParamUnit(list(names), lambda n, s: torch.full(s, 2.0 if n == "weight" else 3.0), rank, world_size,
+                         torch.device("cpu"), torch.float32)
+    unit.post_backward = lambda flat_param: None  # keep flat_param.grad: reduce-scattered below
+    unit.unshard()
+    unit.work.wait()
+    unit.use_views()
+    values = ln.weight.item(), ln.bias.item()  # the gathered values, seen through the views
+    out = ln(torch.tensor([[float(rank)]]))  # normalised over one value: 0, so out = bias
+    (out.sum() * (rank + 1)).backward()
+    shard = torch.empty(unit.shard_size)
+    dist.reduce_scatter_single(shard, unit.flat_param.grad, op=dist.ReduceOp.AVG)
+    unit.local_shard.grad = shard
+    unit.reshard()
+    return unit.shard_size, unit.valid, unit.padding, values, \
+        clip_by_global_norm([unit.local_shard.grad[:unit.valid]], 0.0).item()
+
+
+def test_world_size_larger_than_a_unit_pads_and_works(three_ranks):
+    results = [r["tiny"] for r in three_ranks]  # a unit of 2 values on 3 ranks: rank 2 holds only padding
+    assert [r[:3] for r in results] == [(1, 1, 1), (1, 1, 1), (1, 0, 1)]
+    assert all(r[3] == (2.0, 3.0) for r in results)
+    # d(sum out * (rank + 1))/d bias = rank + 1, averaged over 3 ranks: 2; d/d weight = 0
+    assert all(abs(r[4] - 2.0) <= 1e-6 for r in results)
+
+
+def test_script_two_ranks_checkpoint_metrics_and_summary(tmp_path):
+    result = launch("fsdp_train.py", 2, TINY + ["--max_iters", "3", "--eval_interval", "2", "--eval_iters", "1",
+                                                 "--checkpoint_interval", "2", "--out_dir", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records if "loss" in r] == [0, 1, 2]
+    summary = records[-1]
+    n_params = sum(p.numel() for p in GPT(GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=64), device="meta").parameters())
+    assert abs(summary["model_state_bytes"] - 16 * n_params / 2) <= 0.05 * 16 * n_params / 2
+    assert summary["exposed_comm_ms"] >= 0
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert ckpt["step"] == 3 and {"transformer.wte.weight", "lm_head.weight"} <= set(ckpt["model"])
+    assert torch.equal(ckpt["model"]["transformer.wte.weight"], ckpt["model"]["lm_head.weight"])
+    assert math.isfinite(ckpt["optimizer"]["transformer.h.1.mlp.c_fc.weight"]["exp_avg"].sum().item())
+
+
+BAD_INPUT = [
+    (["--implementation", "pytorch", "--prefetch", "false"], "--prefetch"),
+    (["--implementation", "pytorch", "--deferred_init"], "--deferred_init"),
+]
+
+
+@pytest.mark.parametrize("flags,named", BAD_INPUT, ids=[" ".join(f) for f, _ in BAD_INPUT])
+def test_flags_that_do_not_apply_give_one_clear_error(flags, named, tmp_path):
+    result = launch("fsdp_train.py", None, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags, timeout=60)
+    assert result.returncode != 0
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and named in errors[0], result.stderr[-2000:]
+    assert not re.search(r'File ".*fsdp_train\.py', result.stdout + result.stderr)
+
+
+def _sharded_round_trip(rank, world_size, path):
+    from fsdp_train import load_sharded, save_sharded
+    x, y = get_batch("train", 0, 4, CONFIG.block_size, seed=0)
+
+    def one_step(model, fsdp, optimizer):
+        _, loss = model(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
+        loss.backward()
+        fsdp.finish_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    model, fsdp, _ = _sharded(CONFIG, rank, world_size)
+    optimizer = torch.optim.AdamW([u.local_shard for u in fsdp.units], lr=1e-2)
+    one_step(model, fsdp, optimizer)
+    save_sharded(fsdp, optimizer, 1, path)
+    one_step(model, fsdp, optimizer)
+    fresh, fresh_fsdp, _ = _sharded(CONFIG, rank, world_size)
+    fresh_optimizer = torch.optim.AdamW([u.local_shard for u in fresh_fsdp.units], lr=1e-2)
+    step = load_sharded(fresh_fsdp, fresh_optimizer, path, world_size)
+    one_step(fresh, fresh_fsdp, fresh_optimizer)  # the second step again, from the loaded state
+    return step, all(torch.equal(a.local_shard, b.local_shard) for a, b in zip(fsdp.units, fresh_fsdp.units))
+
+
+def test_sharded_checkpoint_one_file_per_rank_resumes_exactly(two_ranks):
+    results, path = two_ranks
+    for step, same in (r["sharded"] for r in results):
+        assert step == 1 and same
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.pt", "rank0.pt", "rank1.pt"]
