@@ -1,0 +1,303 @@
+"""tp_train.py: each parallel layer equals its unsharded layer (forward and grads, SP off/on), shards
+equal slices of the reference init, the Megatron communication counts, activation memory with SP,
+the clipping norm, the full checkpoint, bad input."""
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from conftest import TINY, launch, spawn
+from common.data import get_batch
+from common.model import GPT, GPTConfig
+from tp_train import (TP, ColumnParallelLinear, RowParallelLinear, TPBlock, TPGPT, VocabParallelCrossEntropy,
+                      VocabParallelEmbedding, global_grad_norm, shard, shard_dim, sum_sequence_parallel_grads, unshard)
+
+CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)
+B, S, C = 2, CONFIG.block_size, CONFIG.n_embd
+
+
+def _seq(t, tp):  # this rank's sequence shard of a (B, S, ...) tensor, or all of it without SP
+    return t.chunk(tp.size, dim=1)[tp.rank] if tp.sp else t
+
+
+def _max_diff(pairs):
+    """Largest |a - b|, relative where the reference exceeds 1 (fp32 sums of ~100 products of O(1) values)."""
+    return max(((a - b).abs().max() / b.abs().max().clamp(min=1.0)).item() for a, b in pairs)
+
+
+def _layers_equal_unsharded(rank, world_size):
+    return {sp: _layers_equal_unsharded_sp(sp) for sp in (False, True)}
+
+
+def _layers_equal_unsharded_sp(sp):
+    """Each parallel layer vs its unsharded counterpart on the same input and output gradient."""
+    tp = TP(dist.group.WORLD, sp)
+    torch.manual_seed(0)  # the same full tensors on every rank
+    diffs = {}
+
+    # column-parallel (c_attn: fused q, k, v) and row-parallel linears
+    for kind, name, in_f, out_f in (("column", "h.0.attn.c_attn", C, 3 * C), ("column", "h.0.mlp.c_fc", C, 4 * C),
+                                    ("row", "h.0.mlp.c_proj", 4 * C, C)):
+        full = torch.nn.Linear(in_f, out_f)
+        x = torch.randn(B, S, in_f, requires_grad=True)
+        grad_out = torch.randn(B, S, out_f)
+        y = full(x)
+        y.backward(grad_out)
+        layer = (ColumnParallelLinear if kind == "column" else RowParallelLinear)(tp, in_f, out_f, True)
+        with torch.no_grad():
+            layer.weight.copy_(shard(name + ".weight", full.weight, tp.rank, tp.size))
+            layer.bias.copy_(shard(name + ".bias", full.bias, tp.rank, tp.size))
+        if kind == "column":  # input: whole (or this rank's sequence shard); output: this rank's features
+            x_local = _seq(x.detach(), tp).clone().requires_grad_()
+            y_local = layer(x_local)
+            y_local.backward(shard(name + ".weight", grad_out.transpose(0, 2), tp.rank, tp.size).transpose(0, 2))
+            y_ref = shard(name + ".weight", y.detach().transpose(0, 2), tp.rank, tp.size).transpose(0, 2)
+            x_grad_ref = _seq(x.grad, tp)
+        else:  # input: this rank's features; output: whole (or this rank's sequence shard)
+            x_local = x.detach().chunk(tp.size, dim=2)[tp.rank].clone().requires_grad_()
+            y_local = layer(x_local)
+            y_local.backward(_seq(grad_out, tp))
+            y_ref, x_grad_ref = _seq(y.detach(), tp), x.grad.chunk(tp.size, dim=2)[tp.rank]
+            if sp:  # the replicated bias saw only this rank's sequence shard
+                sum_sequence_parallel_grads([layer.bias], tp.group)
+        diffs[f"{kind} {name}"] = _max_diff([
+            (y_local, y_ref), (x_local.grad, x_grad_ref),
+            (layer.weight.grad, shard(name + ".weight", full.weight.grad, tp.rank, tp.size)),
+            (layer.bias.grad, shard(name + ".bias", full.bias.grad, tp.rank, tp.size))])
+
+    # vocab-parallel embedding
+    full = torch.nn.Embedding(CONFIG.vocab_size, C)
+    idx = torch.randint(0, CONFIG.vocab_size, (B, S))
+    idx[0, :4] = torch.tensor([0, CONFIG.vocab_size // 2 - 1, CONFIG.vocab_size // 2, CONFIG.vocab_size - 1])  # edges
+    grad_out = torch.randn(B, S, C)
+    full(idx).backward(grad_out)
+    emb = VocabParallelEmbedding(tp, CONFIG.vocab_size, C)
+    with torch.no_grad():
+        emb.weight.copy_(shard("transformer.wte.weight", full.weight, tp.rank, tp.size))
+    out = emb(idx)
+    out.backward(_seq(grad_out, tp))
+    diffs["vocab embedding"] = _max_diff([(out, _seq(full(idx).detach(), tp)),
+                                          (emb.weight.grad, shard("transformer.wte.weight", full.weight.grad, tp.rank, tp.size))])
+
+    # vocab-parallel cross-entropy (no SP involved: it sees the whole sequence)
+    logits = (3 * torch.randn(B * S, CONFIG.vocab_size)).requires_grad_()
+    targets = torch.randint(0, CONFIG.vocab_size, (B * S,))
+    targets[:2] = torch.tensor([0, CONFIG.vocab_size - 1])
+    F.cross_entropy(logits, targets).backward()
+    logits_local = logits.detach().chunk(tp.size, dim=1)[tp.rank].clone().requires_grad_()
+    loss = VocabParallelCrossEntropy.apply(logits_local, targets, emb.vocab_start, tp.group).mean()
+    loss.backward()
+    diffs["vocab-parallel cross-entropy"] = _max_diff([(loss, F.cross_entropy(logits.detach(), targets)),
+                                                        (logits_local.grad, logits.grad.chunk(tp.size, dim=1)[tp.rank])])
+    return diffs
+
+
+def _unit_checks(rank, world_size):
+    """Every in-process check on 2 gloo ranks in one spawn (starting ranks costs seconds)."""
+    return dict(layers=_layers_equal_unsharded(rank, world_size), model=_model_equals_reference(rank, world_size),
+                counts=_count_all(rank, world_size), activations=_activation_bytes(rank, world_size))
+
+
+@pytest.fixture(scope="module")
+def unit():
+    return spawn(_unit_checks, 2)
+
+
+def test_each_parallel_layer_equals_the_unsharded_layer(unit):
+    for by_sp in (r["layers"] for r in unit):
+        for sp, diffs in by_sp.items():
+            assert len(diffs) == 5
+            for layer, diff in diffs.items():
+                assert diff <= 1e-6, (sp, layer, diff)
+
+
+def _model_equals_reference(rank, world_size):
+    return [_model_equals_reference_sp(sp) for sp in (False, True)]
+
+
+def _model_equals_reference_sp(sp):
+    """Init shards = slices of the reference; gradients and pinned norm = the reference's."""
+    tp = TP(dist.group.WORLD, sp)
+    ref = GPT(CONFIG, seed=0)
+    model = TPGPT(tp, CONFIG, seed=0, device="cpu")
+    reference = dict(ref.named_parameters())
+    init_equal = all(torch.equal(p, shard(n, reference[n], tp.rank, tp.size)) for n, p in model.named_parameters())
+    roundtrip = all(torch.equal(unshard(n, [shard(n, reference[n], r, 3) for r in range(3)]), reference[n])
+                    for n in reference if shard_dim(n) is not None and reference[n].size(0) % 3 == 0)
+    x, y = get_batch("train", 0, B, S, seed=0)
+    _, loss = ref(x, y)
+    loss.backward()
+    tp_loss = model(x, y)
+    tp_loss.backward()
+    if sp:
+        sum_sequence_parallel_grads(model.sequence_parallel_params, tp.group)
+    grad_diff = _max_diff((p.grad, shard(n, reference[n].grad, tp.rank, tp.size)) for n, p in model.named_parameters())
+    params = [p for _, p in model.named_parameters()]
+    norm = global_grad_norm(params, [p for n, p in model.named_parameters() if shard_dim(n) is not None], tp.group)
+    ref_norm = torch.stack([(p.grad * p.grad).sum() for p in ref.parameters()]).sum().sqrt()
+    # the norm counting every parameter on every rank would be too large: replicated ones count once
+    wrong = torch.stack([(p.grad * p.grad).sum() for p in params]).sum()
+    dist.all_reduce(wrong)
+    return init_equal, roundtrip, abs(tp_loss.item() - loss.item()), grad_diff, norm.item(), ref_norm.item(), wrong.sqrt().item()
+
+
+def test_shards_gradients_and_clipping_norm_equal_the_reference(unit):
+    for init_equal, roundtrip, dloss, grad_diff, norm, ref_norm, wrong in sum((r["model"] for r in unit), []):
+        assert init_equal, "each rank's shards must equal slices of the reference init"
+        assert roundtrip
+        assert dloss <= 1e-6 and grad_diff <= 1e-6, (dloss, grad_diff)
+        assert abs(norm - ref_norm) <= 1e-6 * ref_norm, (norm, ref_norm)
+        assert wrong > ref_norm * (1 + 1e-4)  # the check would notice replicated params counted twice
+
+
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def _count_all(rank, world_size):
+    return {(sp, whole): _count_collectives(sp, whole) for sp in (False, True) for whole in (False, True)}
+
+
+def _count_collectives(sp, whole_model):
+    """Calls of each collective (and their sizes) in one forward and one backward."""
+    tp = TP(dist.group.WORLD, sp)
+    calls, originals = [], {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counting(name):
+        def collective(tensor, *args, **kwargs):
+            calls.append((name, tensor.numel()))
+            return originals[name](tensor, *args, **kwargs)
+        return collective
+
+    if whole_model:
+        module = TPGPT(tp, CONFIG, seed=0, device="cpu")
+        x, y = get_batch("train", 0, B, S, seed=0)
+        run = lambda: module(x, y)
+    else:
+        module = TPBlock(tp, CONFIG)
+        torch.nn.init.normal_(module.attn.c_attn.weight, std=0.02)
+        x = torch.randn(B, S // tp.size if sp else S, C, requires_grad=True)
+        run = lambda: module(x).square().sum()
+    for name in COLLECTIVES:
+        setattr(dist, name, counting(name))
+    try:
+        out = run()
+        forward = list(calls)
+        calls.clear()
+        out.backward()
+        backward = list(calls)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+    def count(phase):
+        return {name: sum(1 for n, _ in phase if n == name) for name in COLLECTIVES}
+    return count(forward), count(backward), sorted(set(n for _, n in forward + backward))
+
+
+@pytest.fixture(scope="module")
+def counts(unit):
+    return unit[0]["counts"]
+
+
+def test_megatron_communication_per_block(counts):
+    # one block: without SP, g after attn.c_proj and mlp.c_proj (forward), f before c_attn and c_fc (backward)
+    fwd, bwd, sizes = counts[False, False]
+    assert fwd == {"all_reduce": 2, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}
+    assert bwd == {"all_reduce": 2, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}
+    assert sizes == [B * S * C]  # every one moves the whole (B, S, C) activation
+    # with SP: an all-gather before each column-parallel linear and a reduce-scatter after each
+    # row-parallel one, and the reverse in backward; the same bytes, no all-reduce
+    fwd, bwd, sizes = counts[True, False]
+    assert fwd == {"all_reduce": 0, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+    assert bwd == {"all_reduce": 0, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+    assert sizes == [B * S * C // 2, B * S * C]  # shard in, whole out (or the reverse)
+
+
+def test_megatron_communication_whole_model(counts):
+    L = CONFIG.n_layer
+    # + the embedding's g, the three loss all-reduces (max, sum exp, target logit) in forward; the f
+    # in front of lm_head in backward. Never a (B, S, V) collective: the logits are not gathered.
+    fwd, bwd, sizes = counts[False, True]
+    assert fwd["all_reduce"] == 2 * L + 1 + 3 and bwd["all_reduce"] == 2 * L + 1
+    assert max(sizes) == B * S * C
+    fwd, bwd, sizes = counts[True, True]
+    assert fwd == {"all_reduce": 3, "all_gather_into_tensor": 2 * L + 1, "reduce_scatter_tensor": 2 * L + 1}
+    assert bwd == {"all_reduce": 0, "all_gather_into_tensor": 2 * L + 1, "reduce_scatter_tensor": 2 * L + 1}
+
+
+def _activation_bytes(rank, world_size):
+    """Bytes autograd saves for backward in one forward of a stack of blocks, per rank, by storage."""
+    config = GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=4, n_embd=128)
+    result = {}
+    for sp in (False, True):
+        tp = TP(dist.group.WORLD, sp)
+        blocks = torch.nn.Sequential(*[TPBlock(tp, config) for _ in range(config.n_layer)])
+        x = torch.randn(4, 64 // tp.size if sp else 64, config.n_embd, requires_grad=True)
+        storages = {}
+
+        def pack(t):
+            if not isinstance(t, torch.nn.Parameter):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = blocks(x)
+        out.sum().backward()
+        result[sp] = sum(storages.values())
+    return result
+
+
+def test_sequence_parallel_saves_activation_memory(unit):
+    sizes = unit[0]["activations"]
+    print(f"activation bytes per rank saved by 2 blocks (TP=2, 128 wide, batch 4 x 64): SP off {sizes[False]}, "
+          f"SP on {sizes[True]}")
+    assert sizes[True] < 0.95 * sizes[False], sizes
+
+
+def _ckpt(path):
+    return torch.load(path, weights_only=False)
+
+
+def test_checkpoint_is_the_full_format_and_equals_single_process_training(tmp_path):
+    flags = TINY + ["--max_iters", "3"]
+    ref = launch("ddp_train.py", None, flags + ["--out_dir", str(tmp_path / "ref")])
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    reference = _ckpt(tmp_path / "ref" / "ckpt.pt")
+    for impl, extra in (("custom", ["--sequence_parallel"]), ("pytorch", [])):
+        out = tmp_path / impl
+        result = launch("tp_train.py", 2, flags + ["--implementation", impl, "--out_dir", str(out)] + extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        ckpt = _ckpt(out / "ckpt.pt")
+        assert ckpt["step"] == 3 and list(ckpt["model"]) == list(reference["model"])
+        assert set(ckpt["optimizer"]) == set(reference["optimizer"])
+        for name, t in reference["model"].items():
+            assert ckpt["model"][name].shape == t.shape and torch.allclose(ckpt["model"][name], t, atol=1e-5), name
+        for name, state in reference["optimizer"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.allclose(ckpt["optimizer"][name][key], state[key], atol=1e-6, rtol=1e-3), (impl, name, key)
+        model = GPT(GPTConfig(**ckpt["config"]), device="meta")
+        model.load_state_dict(ckpt["model"], assign=True)  # loads into the unsharded model
+
+
+BAD_INPUT = [  # divisibility is checked first, so one process with --tensor_parallel_size 2 shows it cheaply
+    (None, ["--tensor_parallel_size", "2", "--n_head", "3", "--n_embd", "48"], "--n_head"),
+    (None, ["--tensor_parallel_size", "2", "--vocab_size", "50305"], "--vocab_size"),
+    (None, ["--tensor_parallel_size", "2"], "--tensor_parallel_size"),  # 2 x 1 != 1 rank
+    (2, ["--sequence_parallel", "--block_size", "31"], "--block_size"),
+    (2, ["--tensor_parallel_size", "3"], "--tensor_parallel_size"),
+    (4, ["--tensor_parallel_size", "2", "--batch_size", "6", "--grad_accum_steps", "2"], "--batch_size"),
+]
+
+
+@pytest.mark.parametrize("nproc,flags,named", BAD_INPUT, ids=[" ".join(f) + f"-{n or 1}r" for n, f, _ in BAD_INPUT])
+def test_bad_input(nproc, flags, named, tmp_path):
+    start = time.time()
+    result = launch("tp_train.py", nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags, timeout=60)
+    assert result.returncode != 0
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    assert named in errors[0]
+    assert not re.search(r'File ".*(tp_train\.py|common/)', result.stdout + result.stderr)
+    assert time.time() - start < 30
