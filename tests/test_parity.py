@@ -26,6 +26,35 @@ TOL = 1e-5  # fp32 on CPU; the largest |dloss| measured here is printed by each 
 # One row per (script, implementation, ranks, extra flags). Later strategies add their rows here.
 # Extra flags in MODEL_FLAGS also go to the reference and the plain loop (see below).
 STRATEGIES = [
+    # pp: every schedule custom + pytorch at 2 stages (interleaved: 2 x 2 chunks of 1 layer), 1F1B at 4 stages
+    ("pp_train.py", "custom", 2, ["--schedule", "gpipe"]),
+    ("pp_train.py", "pytorch", 2, ["--schedule", "gpipe"]),
+    ("pp_train.py", "custom", 2, ["--schedule", "1f1b", "--grad_accum_steps", "2"]),
+    ("pp_train.py", "pytorch", 2, ["--schedule", "1f1b", "--grad_accum_steps", "2"]),
+    ("pp_train.py", "custom", 2, ["--schedule", "interleaved", "--n_layer", "4"]),
+    ("pp_train.py", "pytorch", 2, ["--schedule", "interleaved", "--n_layer", "4"]),
+    ("pp_train.py", "custom", 4, ["--schedule", "1f1b", "--n_layer", "4"]),
+    # zero3: default (all partitioned); 4 ranks with biases/LayerNorms persistent; accumulation without prefetch
+    ("zero3_train.py", "custom", 2, []),
+    ("zero3_train.py", "pytorch", 2, []),
+    ("zero3_train.py", "custom", 4, ["--persistence_threshold", "1024"]),
+    ("zero3_train.py", "pytorch", 4, []),
+    ("zero3_train.py", "custom", 2, ["--grad_accum_steps", "2", "--prefetch", "false"]),
+    ("zero3_train.py", "pytorch", 2, ["--grad_accum_steps", "2"]),
+    # tp: TP=2 (SP off, loss_parallel on); TP=2 SP on + loss_parallel off; 2D DP 2 x TP 2, SP on, 2 micro-steps
+    ("tp_train.py", "custom", 2, []),
+    ("tp_train.py", "pytorch", 2, []),
+    ("tp_train.py", "custom", 2, ["--sequence_parallel", "--loss_parallel", "false"]),
+    ("tp_train.py", "pytorch", 2, ["--sequence_parallel", "--loss_parallel", "false"]),
+    ("tp_train.py", "custom", 4, ["--tensor_parallel_size", "2", "--sequence_parallel", "--grad_accum_steps", "2"]),
+    ("tp_train.py", "pytorch", 4, ["--tensor_parallel_size", "2", "--sequence_parallel", "--grad_accum_steps", "2"]),
+    # fsdp: 4 ranks with n_embd 25 pad every unit (blocks 7825 values: 3 pad, root 1258450: 2 pad)
+    ("fsdp_train.py", "custom", 2, []),
+    ("fsdp_train.py", "pytorch", 2, []),
+    ("fsdp_train.py", "custom", 4, ["--n_embd", "25", "--n_head", "5"]),
+    ("fsdp_train.py", "pytorch", 4, ["--n_embd", "25", "--n_head", "5"]),
+    ("fsdp_train.py", "custom", 2, ["--grad_accum_steps", "2", "--deferred_init", "true"]),
+    ("fsdp_train.py", "pytorch", 2, ["--grad_accum_steps", "2", "--reshard_after_forward", "false"]),
     ("ddp_train.py", "custom", 2, []),
     ("ddp_train.py", "pytorch", 2, []),
     ("ddp_train.py", "custom", 2, ["--grad_accum_steps", "2"]),
