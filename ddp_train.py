@@ -21,13 +21,12 @@ Run:
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from common.checkpoint import save_atomic, optimizer_state_by_name
+from common.checkpoint import optimizer_state_by_name, resume, save_checkpoint, set_adamw_state
 from common.config import check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import autocast, setup, setup_data
@@ -167,6 +166,9 @@ def main(argv=None):
     # Every rank builds the same weights: initialisation depends only on (seed, name), which
     # tests/test_ddp.py checks across ranks, so no broadcast of rank 0's parameters is needed.
     model = GPT(config, seed=args.seed, device=device)
+    ckpt = resume(args)  # None, or a full checkpoint written by any script: every rank loads all of it
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
     if args.implementation == "custom":
         buckets = GradientBuckets(model, args.bucket_cap_mb, embedding=model.transformer.wte)
         train_model = model
@@ -177,7 +179,12 @@ def main(argv=None):
             bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True)
     optimizer = configure_optimizer(model.named_parameters(), args.weight_decay, args.learning_rate,
                                     (args.beta1, args.beta2))
-    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard)
+    start = 0
+    if ckpt is not None:
+        for name, p in model.named_parameters():
+            set_adamw_state(optimizer, p, ckpt["optimizer"][name], lambda t: t.to(device, copy=True))
+        start = ckpt["step"]
+    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
     if rank == 0:
         print(f"ddp ({args.implementation}): {world_size} rank(s) on {device}, {num_params(model) / 1e6:.2f}M params, "
               f"global batch {B} x {T} tokens, {A} micro-step(s) of {micro} rows per rank"
@@ -202,7 +209,7 @@ def main(argv=None):
         return out
 
     # ---- training loop -------------------------------------------------------------------
-    for step in range(args.max_iters):
+    for step in range(start, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
             metrics.eval(step, evaluate())
         t0 = time.perf_counter()
@@ -240,14 +247,14 @@ def main(argv=None):
             torch.cuda.synchronize()
         metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, time.perf_counter() - t0, device,
                      args.log_interval)
-        if rank == 0 and args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
-            save_checkpoint(model, optimizer, step + 1, config, args)
+        if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
+            checkpoint(model, optimizer, step + 1, config, args)
 
     if args.eval_interval:
         metrics.eval(args.max_iters, evaluate())
-    if rank == 0:
-        save_checkpoint(model, optimizer, args.max_iters, config, args)
-    state_bytes = tensor_bytes(model.parameters()) + tensor_bytes(grads) + optimizer_state_bytes(optimizer)
+    checkpoint(model, optimizer, args.max_iters, config, args)
+    state_bytes = (tensor_bytes(model.parameters()) + tensor_bytes(p.grad for p in model.parameters())
+                   + optimizer_state_bytes(optimizer))
     per_rank = [None] * world_size
     dist.all_gather_object(per_rank, (state_bytes, peak_mem_bytes(device)))
     metrics.summary([s for s, _ in per_rank], [m for _, m in per_rank])
@@ -255,11 +262,12 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
-def save_checkpoint(model, optimizer, step, config, args):
-    """Every rank holds the full model: rank 0 writes it as it is (the full format)."""
-    save_atomic(dict(model=model.state_dict(), optimizer=optimizer_state_by_name(model.named_parameters(), optimizer),
-                     step=step, config=asdict(config), args=vars(args)),
-                os.path.join(args.out_dir, "ckpt.pt"))
+def checkpoint(model, optimizer, step, config, args):
+    """Every rank holds the full model, so nothing is gathered: rank 0 writes it as it is (the
+    full format); save_checkpoint is collective only to collect every rank's RNG state."""
+    first = dist.get_rank() == 0
+    save_checkpoint(model.state_dict() if first else None,
+                    optimizer_state_by_name(model.named_parameters(), optimizer) if first else None, step, config, args)
 
 
 if __name__ == "__main__":

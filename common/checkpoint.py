@@ -1,19 +1,31 @@
-"""Atomic checkpoint files, one format for every script.
+"""Checkpoints: one on-disk format for every script, atomic writes, and resume.
 
-The full format (`ckpt.pt`, like nanoGPT's) is a dict gathered on rank 0:
+The full format, `<out_dir>/ckpt.pt` (like nanoGPT's), is one dict gathered on rank 0:
   model:      the full GPT state_dict (both tied keys, transformer.wte.weight and lm_head.weight)
-  optimizer:  {parameter name: {"step", "exp_avg", "exp_avg_sq"}} (full, unsharded tensors)
-  step:       the number of optimizer steps taken (the next step to run)
+  optimizer:  {parameter name: {"step", "exp_avg", "exp_avg_sq"}}: AdamW state, full unsharded tensors
+  step:       optimizer steps taken = the next step to run; the lr schedule position is get_lr(step)
+  rng:        [torch RNG state of rank r, for r in range(world_size)] (dropout; data is a function of step)
   config:     GPTConfig fields
   args:       the run's flags
+  format:     "nanodist-full-v1"
+Every script writes it and every script resumes from it, re-sharding model and optimizer state to
+its own layout: a checkpoint written by fsdp_train.py resumes in tp_train.py. fsdp_train.py can
+also write a sharded format (a file per rank + a manifest; see its docstring).
 """
 import os
+import sys
 
 import torch
+import torch.distributed as dist
+
+from common.config import die, gpt_config
+
+FORMAT = "nanodist-full-v1"
 
 
 def save_atomic(obj, path):
-    """Write to a temporary file, fsync, rename: `path` is never half-written."""
+    """Write to a temporary file, fsync, rename: `path` is never half-written, even if this
+    process dies mid-save (the old checkpoint stays in place until the rename)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -29,14 +41,78 @@ def save_atomic(obj, path):
         os.close(fd)
 
 
-def load(path):
+def save_checkpoint(model_state, optimizer_state, step, config, args):
+    """Collective: every rank calls it. Gathers every rank's RNG state to rank 0, which writes
+    the full format to <out_dir>/ckpt.pt. model_state/optimizer_state are read on rank 0 only
+    (the other ranks may pass None)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rng = [None] * world_size if rank == 0 else None
+    dist.gather_object(torch.get_rng_state(), rng, dst=0)
+    if rank == 0:
+        save_atomic(dict(format=FORMAT, script=os.path.basename(sys.argv[0]), model=model_state, optimizer=optimizer_state, step=step, rng=rng,
+                         config=config.__dict__.copy(), args=vars(args)),
+                    os.path.join(args.out_dir, "ckpt.pt"))
+
+
+def read(path, flag="--resume"):
+    """(checkpoint, None), or (None, the one-line reason it cannot be used)."""
+    if not os.path.exists(path):
+        return None, f"{flag}: no checkpoint at {path}"
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        raise SystemExit(f"error: cannot read checkpoint {path}: {type(e).__name__}: {e}")
-    if not isinstance(ckpt, dict) or "model" not in ckpt:
-        raise SystemExit(f"error: {path} is not a nanodist checkpoint (no 'model' key)")
+        return None, f"{flag}: {path} is truncated or corrupt ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    if not isinstance(ckpt, dict) or not {"model", "optimizer", "step", "config"} <= set(ckpt):
+        return None, f"{flag}: {path} is not a nanodist full checkpoint (needs model, optimizer, step, config)"
+    return ckpt, None
+
+
+def resume(args):
+    """Collective: every rank calls it after setup(). Returns the checkpoint to continue from, or
+    None for a fresh start. It resumes when --resume is given, or when torchrun restarted the job
+    after a failure (TORCHELASTIC_RESTART_COUNT > 0; then a missing checkpoint means a fresh start).
+    Rank 0 reads and checks the file first, so a bad file gives one error line, not one per rank;
+    then every rank maps it (out_dir must be shared by the nodes) and restores its RNG state."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    path = os.path.join(args.out_dir, "ckpt.pt")
+    if not args.resume and not (restarted and os.path.exists(path)):
+        return None
+    verdict = [None]
+    if dist.get_rank() == 0:
+        verdict[0] = _check(path, args)
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        dist.destroy_process_group()
+        die(verdict[0])
+    ckpt, _ = read(path)
+    rng = ckpt.get("rng")
+    if rng is not None and len(rng) == dist.get_world_size():
+        torch.set_rng_state(rng[dist.get_rank()])
+    else:  # another world size: a fresh dropout stream per rank and step
+        torch.manual_seed(args.seed + dist.get_rank() + 1_000_003 * ckpt["step"])
+    if dist.get_rank() == 0:
+        print(f"resuming from {path} at step {ckpt['step']} (written by {ckpt.get('script', '?')})", flush=True)
     return ckpt
+
+
+def _check(path, args):
+    """None if rank 0 can resume from path with these flags, else the error line."""
+    ckpt, error = read(path)
+    if error is not None:
+        return error
+    want = gpt_config(args).__dict__
+    for key, value in ckpt["config"].items():
+        if key != "dropout" and want.get(key) != value:  # dropout may change on resume, as in nanoGPT
+            return f"--{key}: the checkpoint {path} has {key}={value}, this run has {want.get(key)}"
+    if ckpt["step"] > args.max_iters:
+        return f"--max_iters: the checkpoint {path} is at step {ckpt['step']}, past --max_iters {args.max_iters}"
+    return None
+
+
+def set_adamw_state(optimizer, param, state, local):
+    """Puts one parameter's full-format AdamW state into `optimizer`: local(full tensor) returns
+    this rank's piece of it, laid out like `param` (a shard, a slice, a DTensor, or all of it)."""
+    optimizer.state[param] = {k: v.clone() if k == "step" else local(v) for k, v in state.items()}
 
 
 def optimizer_state_by_name(named_params, optimizer):

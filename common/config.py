@@ -86,6 +86,10 @@ def parse_args(strategy, add_flags=None, argv=None):
                    help="custom: the hand-written strategy; pytorch: PyTorch's own, same loop")
     r.add_argument("--checkpoint_interval", type=int, default=0,
                    help="write out_dir/ckpt.pt every N steps; it is always written at the end")
+    add_bool(r, "--resume", False, "continue from out_dir/ckpt.pt (written by any script); a torchrun restart "
+             "after a failure resumes by itself")
+    r.add_argument("--timeout_s", type=float, default=300,
+                   help="collective timeout: a rank waiting longer on a dead peer fails instead of hanging")
     add_bool(r, "--tensorboard", True, "also log the metrics to TensorBoard under out_dir")
     if add_flags is not None:
         add_flags(p.add_argument_group(strategy))
@@ -104,6 +108,7 @@ def check_core_args(args):
     positive = ["n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size",
                 "grad_accum_steps", "max_iters", "learning_rate", "eval_iters", "log_interval",
                 "lr_decay_iters"]
+    positive.append("timeout_s")
     for name in positive:
         if not getattr(args, name) > 0:
             die(f"--{name}: must be > 0, got {getattr(args, name)}")

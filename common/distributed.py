@@ -18,7 +18,7 @@ from common.config import die
 
 def setup(args):
     """Returns (rank, world_size, device) after init_process_group. On CPU each rank gets
-    cores / local ranks intra-op threads, so N ranks on one machine share its cores."""
+    OMP_NUM_THREADS, or cores / local ranks, intra-op threads, so N ranks on one machine share its cores."""
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.device == "cuda" and not torch.cuda.is_available():
         die("--device: cuda was asked for but torch.cuda.is_available() is False")
@@ -32,12 +32,13 @@ def setup(args):
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+        threads = os.environ.get("OMP_NUM_THREADS")  # else share the cores among this node's ranks
+        torch.set_num_threads(int(threads) if threads else max(1, len(os.sched_getaffinity(0)) // local_world))
     # Seeds only what is random at run time (dropout): weights come from init_tensor, batches from
     # get_batch. Each rank gets its own stream, so ranks drop different units of their different rows.
     torch.manual_seed(args.seed + rank)
     backend = "nccl" if use_cuda else "gloo"
-    timeout = timedelta(seconds=float(os.environ.get("NANODIST_TIMEOUT_S", 600)))
+    timeout = timedelta(seconds=args.timeout_s)  # a collective waiting longer than this raises
     if torchrun:
         dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
     else:  # single process: a one-rank group in memory, no port needed

@@ -30,14 +30,23 @@ def optimizer_state_bytes(optimizer):
 
 
 class Metrics:
-    def __init__(self, out_dir, enabled, tensorboard=True, resume=False):
+    def __init__(self, out_dir, enabled, tensorboard=True, start_step=0):
+        """start_step > 0 (a resumed run): keep the lines of steps before it, drop the rest (steps
+        logged after the checkpoint by the interrupted run, and its summary), and append."""
         self.enabled = enabled
         self.tokens_per_sec = []
         self.file = self.writer = None
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
-        self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if resume else "w")
+        path = os.path.join(out_dir, "metrics.jsonl")
+        kept = []
+        if start_step > 0 and os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and not json.loads(line).get("summary")
+                        and json.loads(line).get("step", 0) < start_step]
+        self.file = open(path, "w")
+        self.file.writelines(kept)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(out_dir)

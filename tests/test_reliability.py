@@ -1,0 +1,253 @@
+"""Checkpoints, resume, faults, multi-node and determinism, for every script and both implementations.
+
+- resume: 6 steps, then resume to 10, equals 10 uninterrupted steps bit for bit (fp32, CPU);
+- cross-strategy resume: a full checkpoint from one script continues in another and matches the
+  single-process reference within the parity tolerance;
+- a rank SIGKILLed under torchrun --max-restarts=1: the job restarts, resumes, same final loss;
+- a crash without restarts: every other rank exits within the collective timeout;
+- two "nodes" on loopback give the 2-rank single-node losses; identical runs give identical losses;
+- corrupt or truncated checkpoints: one clear error, nothing overwritten; sample.py;
+- a sweep of bad flags over every script: non-zero exit, one error line, under 30 s.
+"""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, free_port, launch, read_metrics, step_losses
+
+SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py"]
+STEPS, CUT = 10, 6
+# --lr_decay_iters pins the schedule, so a run with fewer --max_iters is a prefix of the longer one.
+FLAGS = TINY + ["--learning_rate", "1e-3", "--min_lr", "1e-4", "--warmup_iters", "3", "--lr_decay_iters", str(STEPS),
+                "--seed", "1337"]
+TOL = 1e-5  # the parity tolerance (tests/test_parity.py)
+
+
+def run(script, nproc, args, out_dir, timeout=300):
+    result = launch(script, nproc, FLAGS + list(args) + ["--out_dir", str(out_dir)], timeout=timeout)
+    assert result.returncode == 0, f"{script} {args} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def by_step(out_dir):
+    """{step: loss} from metrics.jsonl (a resumed run appends; a step logged twice keeps the last)."""
+    return {r["step"]: r["loss"] for r in read_metrics(out_dir) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    run("ddp_train.py", None, ["--max_iters", str(STEPS)], out)
+    return by_step(out)
+
+
+@pytest.mark.parametrize("implementation", ["custom", "pytorch"])
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_resume_is_bit_identical(script, implementation, tmp_path):
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    impl = ["--implementation", implementation]
+    run(script, 2, impl + ["--max_iters", str(STEPS)], whole)
+    run(script, 2, impl + ["--max_iters", str(CUT)], part)
+    assert torch.load(part / "ckpt.pt", weights_only=True)["step"] == CUT
+    result = run(script, 2, impl + ["--max_iters", str(STEPS), "--resume"], part)
+    assert f"resuming from {part / 'ckpt.pt'} at step {CUT}" in result.stdout
+    losses = [r for r in read_metrics(part) if "loss" in r]
+    assert [r["step"] for r in losses] == list(range(STEPS))  # appended, each step once
+    assert [r["loss"] for r in losses] == step_losses(whole)
+    assert torch.load(part / "ckpt.pt", weights_only=True)["step"] == STEPS
+
+
+@pytest.mark.parametrize("first,second", [("fsdp_train.py", "tp_train.py"), ("ddp_train.py", "pp_train.py"),
+                                          ("zero3_train.py", "fsdp_train.py"), ("tp_train.py", "zero3_train.py"),
+                                          ("pp_train.py", "ddp_train.py")])
+def test_cross_strategy_resume_matches_the_reference(first, second, reference, tmp_path):
+    run(first, 2, ["--max_iters", str(CUT)], tmp_path)
+    run(second, 2, ["--max_iters", str(STEPS), "--resume"], tmp_path)
+    got = by_step(tmp_path)
+    assert sorted(got) == list(range(STEPS))
+    delta = max(abs(got[s] - reference[s]) for s in range(STEPS))
+    print(f"{first} -> {second}: max |dloss| vs the reference over {STEPS} steps = {delta:.2e}")
+    assert delta <= TOL
+
+
+def _pids_of_rank(out_dir, rank):
+    """The pids of worker processes of this test's run (its out_dir on the command line) with RANK=rank."""
+    pids = []
+    for proc in glob.glob("/proc/[0-9]*"):
+        try:
+            cmdline = open(f"{proc}/cmdline", "rb").read().split(b"\0")
+            environ = open(f"{proc}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if str(out_dir).encode() in cmdline and f"RANK={rank}".encode() in environ and b"-m" not in cmdline:
+            pids.append(int(proc.rsplit("/", 1)[1]))
+    return pids
+
+
+def _start(script, nproc, args, out_dir, torchrun_flags=()):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *torchrun_flags, script, *FLAGS, *args, "--out_dir", str(out_dir)]
+    return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _kill_rank_after(out_dir, rank, step, proc, deadline_s=120):
+    """SIGKILL `rank` once metrics.jsonl shows `step` was logged."""
+    t0 = time.time()
+    while time.time() - t0 < deadline_s and proc.poll() is None:
+        path = os.path.join(out_dir, "metrics.jsonl")
+        if os.path.exists(path) and any(r.get("step", -1) >= step and "loss" in r for r in read_metrics(out_dir)):
+            pids = _pids_of_rank(out_dir, rank)
+            assert pids, "the rank to kill was not found"
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            return time.time()
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} never logged:\n{proc.communicate()[0][-3000:]}")
+
+
+def test_killed_rank_restarts_resumes_and_finishes_with_the_same_loss(tmp_path):
+    whole, faulty = tmp_path / "whole", tmp_path / "faulty"
+    steps = 16
+    args = ["--max_iters", str(steps), "--lr_decay_iters", str(steps), "--checkpoint_interval", "4"]
+    run("fsdp_train.py", 2, args, whole)
+    proc = _start("fsdp_train.py", 2, args, faulty, ["--max-restarts=1"])
+    _kill_rank_after(faulty, 1, 9, proc)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "resuming from" in out and "at step 8" in out
+    assert by_step(faulty) == by_step(whole)
+    assert step_losses(faulty)[-1] == step_losses(whole)[-1]
+
+
+def test_crash_without_restart_ends_every_rank_within_the_timeout(tmp_path):
+    proc = _start("ddp_train.py", 2, ["--max_iters", "100000", "--timeout_s", "20"], tmp_path)
+    killed_at = _kill_rank_after(tmp_path, 1, 2, proc)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the surviving rank did not exit within 60 s of the crash")
+    print(f"every rank gone {time.time() - killed_at:.1f} s after SIGKILL of rank 1")
+    assert proc.returncode != 0
+    assert _pids_of_rank(tmp_path, 0) == []
+
+
+def test_crash_without_a_launcher_bounded_by_timeout_s(tmp_path):
+    """No torchrun agent to clean up: rank 1 is killed and rank 0 must leave on its own."""
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen([sys.executable, "ddp_train.py", *FLAGS, "--max_iters", "100000",
+                                       "--timeout_s", "15", "--out_dir", str(tmp_path)], cwd=REPO, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    _kill_rank_after(tmp_path, 1, 2, procs[0])
+    t0 = time.time()
+    try:
+        procs[0].communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        raise AssertionError("rank 0 still waits 60 s after rank 1 died")
+    print(f"rank 0 exited {time.time() - t0:.1f} s after rank 1 was killed")
+    assert procs[0].returncode != 0
+
+
+def test_two_nodes_on_loopback_equal_one_node(tmp_path):
+    one = tmp_path / "one"
+    run("ddp_train.py", 2, ["--max_iters", "8"], one)
+    port = free_port()
+    nodes = []
+    for node_rank in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nanodist-test", f"--node_rank={node_rank}",
+               "ddp_train.py", *FLAGS, "--max_iters", "8", "--out_dir", str(tmp_path / "two")]
+        # Both "nodes" share this machine's cores as the 2 local ranks of one node do.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", NANODIST_THREADS="1")
+        nodes.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), "\n".join(o[-2000:] for o in outs)
+    two, single = step_losses(tmp_path / "two"), step_losses(one)
+    print(f"two nodes vs one node: max |dloss| = {max(abs(a - b) for a, b in zip(two, single)):.2e}")
+    assert two == single
+
+
+def test_identical_runs_give_identical_losses(tmp_path):
+    a = run("tp_train.py", 2, ["--max_iters", "5", "--dropout", "0.1"], tmp_path / "a")
+    b = run("tp_train.py", 2, ["--max_iters", "5", "--dropout", "0.1"], tmp_path / "b")
+    assert step_losses(tmp_path / "a") == step_losses(tmp_path / "b")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "not_a_checkpoint"])
+def test_bad_checkpoint_gives_one_clear_error_and_loses_nothing(damage, tmp_path):
+    run("ddp_train.py", 2, ["--max_iters", "3"], tmp_path)
+    path = tmp_path / "ckpt.pt"
+    data = path.read_bytes()
+    bad = {"truncated": data[: len(data) // 2], "garbage": os.urandom(4096), "not_a_checkpoint": b""}[damage]
+    if damage == "not_a_checkpoint":
+        torch.save({"weights": torch.zeros(3)}, path)
+        bad = path.read_bytes()
+    path.write_bytes(bad)
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    for script in ("ddp_train.py", "pp_train.py"):
+        t0 = time.time()
+        result = launch(script, 2, FLAGS + ["--max_iters", "6", "--resume", "--out_dir", str(tmp_path)], timeout=60)
+        assert result.returncode != 0 and time.time() - t0 < 30
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "--resume" in errors[0] and str(path) in errors[0], result.stderr[-2000:]
+        assert path.read_bytes() == bad and (tmp_path / "metrics.jsonl").read_bytes() == metrics
+    result = subprocess.run([sys.executable, "sample.py", "--out_dir", str(tmp_path)], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and result.stderr.strip().startswith("error:") and str(path) in result.stderr
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path):
+    result = launch("fsdp_train.py", 2, FLAGS + ["--max_iters", "3", "--resume", "--out_dir", str(tmp_path)], timeout=60)
+    assert result.returncode != 0 and f"error: --resume: no checkpoint at {tmp_path / 'ckpt.pt'}" in result.stderr
+
+
+def test_sample_generates_text_from_a_checkpoint(tmp_path):
+    run("zero3_train.py", 2, ["--max_iters", "3"], tmp_path)
+    cmd = [sys.executable, "sample.py", "--out_dir", str(tmp_path), "--start", "ROMEO:", "--num_samples", "2",
+           "--max_new_tokens", "20", "--seed", "7"]
+    a = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    b = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert a.returncode == 0, a.stderr[-2000:]
+    assert a.stdout.count("ROMEO:") == 2 and a.stdout == b.stdout
+    assert len(a.stdout) > 2 * len("ROMEO:") + 20
+
+
+BAD = [  # (script, flags, nproc, the flag the error must name)
+    ("ddp_train.py", ["--n_head", "3"], 2, "--n_head"),
+    ("ddp_train.py", ["--batch_size", "7"], 2, "--batch_size"),
+    ("fsdp_train.py", ["--block_size", "100000"], 2, "--block_size"),
+    ("fsdp_train.py", ["--implementation", "magic"], 2, "--implementation"),
+    ("zero3_train.py", ["--learning_rate", "-1"], 2, "--learning_rate"),
+    ("zero3_train.py", ["--dataset", "nosuchdata"], 2, "--dataset"),
+    ("tp_train.py", ["--n_head", "6", "--n_embd", "66"], 4, "--n_head"),
+    ("tp_train.py", ["--tensor_parallel_size", "3"], 4, "--tensor_parallel_size"),
+    ("tp_train.py", ["--timeout_s", "0"], 2, "--timeout_s"),
+    ("pp_train.py", ["--n_layer", "3"], 2, "--n_layer"),
+    ("pp_train.py", ["--batch_size", "6", "--n_microbatches", "4"], 2, "--batch_size"),
+    ("pp_train.py", ["--schedule", "gpipe", "--virtual_stages", "2"], 2, "--virtual_stages"),
+    ("pp_train.py", ["--n_layer", "2"], 4, "--n_layer"),
+]
+
+
+@pytest.mark.parametrize("script,flags,nproc,flag", BAD, ids=[f"{s[:-9]}{' '.join(f)}" for s, f, _, _ in BAD])
+def test_bad_input_sweep(script, flags, nproc, flag, tmp_path):
+    t0 = time.time()
+    result = launch(script, nproc, FLAGS + ["--max_iters", "3"] + flags + ["--out_dir", str(tmp_path)], timeout=60)
+    elapsed = time.time() - t0
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and elapsed < 30
+    assert len(errors) == 1 and flag in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stdout + result.stderr.split("torch.distributed.elastic")[0]
