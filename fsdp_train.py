@@ -296,7 +296,7 @@ def main(argv=None):
                                         (args.beta1, args.beta2))
         n_params = sum(p.numel() for p in model.parameters())
     start = load_sharded(fsdp, optimizer, args.resume_sharded, world_size) if args.resume_sharded else 0
-    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, resume=start > 0)
+    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
     if rank == 0:
         print(f"fsdp ({args.implementation}): {world_size} rank(s) on {device}, {n_params / 1e6:.2f}M params, "
               f"global batch {B} x {T} tokens, {A} micro-step(s) of {micro} rows per rank"
