@@ -49,8 +49,8 @@ def save_checkpoint(model_state, optimizer_state, step, config, args):
     rng = [None] * world_size if rank == 0 else None
     dist.gather_object(torch.get_rng_state(), rng, dst=0)
     if rank == 0:
-        save_atomic(dict(format=FORMAT, script=os.path.basename(sys.argv[0]), model=model_state, optimizer=optimizer_state, step=step, rng=rng,
-                         config=config.__dict__.copy(), args=vars(args)),
+        save_atomic(dict(format=FORMAT, script=os.path.basename(sys.argv[0]), model=model_state,
+                         optimizer=optimizer_state, step=step, rng=rng, config=config.__dict__.copy(), args=vars(args)),
                     os.path.join(args.out_dir, "ckpt.pt"))
 
 
