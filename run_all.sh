@@ -63,6 +63,28 @@ else
     run "limit-1proc-r$r" 1 ddp_train.py $FLAGS  # one process, all cores, same global batch
     run_strategies "-r$r"
   done
+  # Each strategy's own claims, one run each (runs/bench-extra): FSDP's exposed communication with
+  # prefetch off (on: the fsdp rows above), TP with SP and 2D at 4 ranks, the pipeline bubble and
+  # activation memory per schedule and micro-batch count.
+  RUNS=runs/bench-extra && rm -rf "$RUNS" && mkdir -p "$RUNS"
+  extra() { [ -f "$3" ] && run "$@"; }
+  extra fsdp-custom-prefetch "$NPROC" fsdp_train.py $FLAGS --prefetch true
+  extra fsdp-custom-noprefetch "$NPROC" fsdp_train.py $FLAGS --prefetch false
+  for impl in custom pytorch; do
+    extra tp-$impl-sp "$NPROC" tp_train.py $FLAGS --implementation $impl --sequence_parallel
+    extra tp-$impl-2d-dp2-tp2-sp 4 tp_train.py $FLAGS --implementation $impl --tensor_parallel_size 2 --sequence_parallel
+  done
+  for schedule in gpipe 1f1b; do
+    for m in 2 4 8; do
+      extra pp-custom-$schedule-m$m 2 pp_train.py $FLAGS --schedule $schedule --n_microbatches $m --print_schedule
+    done
+  done
 fi
 echo
-"$PYTHON" -m common.report "$MODE" "$RUNS"
+"$PYTHON" -m common.report "$MODE" runs/$MODE
+status=$?
+if [ "$MODE" = bench ]; then
+  echo
+  "$PYTHON" -m common.report extra runs/bench-extra || status=1
+fi
+exit $status

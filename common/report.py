@@ -3,6 +3,7 @@
   python -m common.report smoke RUNS_DIR   # one row per run vs RUNS_DIR/reference; exit 1 on failure/divergence
   python -m common.report bench RUNS_DIR   # median tokens/s per (strategy, implementation) over alternating
                                            # rounds, custom/pytorch ratios, and ratios to the 1-process limit
+  python -m common.report extra RUNS_DIR   # one row per run with the strategy-specific summary keys
 Run folders are named <strategy>-<implementation>[-r<round>]; each holds metrics.jsonl and exit_code.
 """
 import json
@@ -98,6 +99,33 @@ def bench(runs_dir):
     return 0
 
 
+EXTRA_KEYS = {  # summary key -> (column, format)
+    "exposed_comm_ms": ("exposed comm ms", lambda v: f"{v:.1f}"),
+    "saved_activation_bytes_per_rank": ("activations MiB/rank", lambda v: mib(max(v))),
+    "bubble_measured": ("bubble", lambda v: f"{v:.1%}"),
+    "bubble_theory": ("theory", lambda v: f"{v:.1%}"),
+    "peak_activation_bytes_per_rank": ("peak act. MiB/rank", lambda v: f"{max(v) / 2**20:.1f}"),
+}
+
+
+def extra(runs_dir):
+    failed = []
+    print(f"{'run':<28} {'tokens/s':>10} {'peak MiB/rank':>14}  strategy-specific")
+    for name in sorted(os.listdir(runs_dir)):
+        run = load(os.path.join(runs_dir, name))
+        if not run["ok"]:
+            failed.append(name)
+            print(f"{name:<28} FAILED (exit {run['exit_code']})")
+            continue
+        s = run["summary"]
+        details = ", ".join(f"{col} {fmt(s[key])}" for key, (col, fmt) in EXTRA_KEYS.items() if key in s)
+        print(f"{name:<28} {s['tokens_per_sec']:>10,.0f} {mib(max(s['peak_mem_bytes_per_rank'])):>14}  {details}")
+    if failed:
+        print("FAILED: " + ", ".join(failed))
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
     mode, runs_dir = sys.argv[1], sys.argv[2]
-    sys.exit({"smoke": smoke, "bench": bench}[mode](runs_dir))
+    sys.exit({"smoke": smoke, "bench": bench, "extra": extra}[mode](runs_dir))

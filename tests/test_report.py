@@ -46,3 +46,15 @@ def test_bench_ratios_use_the_median_of_alternating_rounds(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "ddp: custom/pytorch tokens/s = 1.100" in out
     assert "ddp custom: tokens/s vs one process on all cores = 1.100" in out
+
+
+def test_extra_table_shows_strategy_specific_keys_and_fails_on_a_crash(tmp_path, capsys):
+    fake_run(tmp_path, "pp-custom-1f1b-m8", [10.0])
+    with open(tmp_path / "pp-custom-1f1b-m8" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"summary": True, "tokens_per_sec": 500.0, "peak_mem_bytes_per_rank": [2**20],
+                            "bubble_measured": 0.25, "bubble_theory": 0.111}) + "\n")
+    assert report.extra(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "bubble 25.0%" in out and "theory 11.1%" in out
+    fake_run(tmp_path, "fsdp-custom-noprefetch", [10.0], exit_code=1)
+    assert report.extra(str(tmp_path)) == 1
