@@ -175,7 +175,7 @@ def test_two_nodes_on_loopback_equal_one_node(tmp_path):
                f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nanodist-test", f"--node_rank={node_rank}",
                "ddp_train.py", *FLAGS, "--max_iters", "8", "--out_dir", str(tmp_path / "two")]
         # Both "nodes" share this machine's cores as the 2 local ranks of one node do.
-        env = dict(os.environ, PYTHONUNBUFFERED="1", NANODIST_THREADS="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         nodes.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=300)[0] for p in nodes]
     assert all(p.returncode == 0 for p in nodes), "\n".join(o[-2000:] for o in outs)
