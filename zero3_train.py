@@ -38,7 +38,6 @@ PyTorch has no whole-tensor ZeRO-3; --implementation pytorch runs its own ZeRO-3
 """
 import os
 import time
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -47,7 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from common.checkpoint import save_atomic
+from common.checkpoint import resume, save_checkpoint, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import autocast, setup, setup_data
@@ -74,10 +73,10 @@ def partition(named_shapes, world_size, persistence_threshold):
     return owner, load
 
 
-def materialize_owned_(model, owner, rank, config, seed, device):
-    """Deferred init: give storage and the per-name initial value only to the tensors this rank owns
-    (and the persistent ones). The others become tensors of the right shape on 0 bytes of storage,
-    which a broadcast fills when needed. No rank ever holds the full model."""
+def materialize_owned_(model, owner, rank, value_of, device):
+    """Deferred init: give storage and a value, value_of(name, shape) (the per-name initial value, or
+    the checkpoint's), only to the tensors this rank owns (and the persistent ones). The others become
+    tensors of the right shape on 0 bytes of storage, which a broadcast fills when needed."""
     names = {id(p): n for n, p in model.named_parameters()}  # the tied weight appears once
     made = {}
     for module in model.modules():
@@ -87,7 +86,7 @@ def materialize_owned_(model, owner, rank, config, seed, device):
             name = names[id(p)]
             if name not in made:
                 if owner[name] in (None, rank):
-                    t = init_tensor(name, p.shape, config, seed).to(device)
+                    t = value_of(name, p.shape).to(device, copy=True)
                 else:  # allocated and at once given back: at most one tensor's bytes, once
                     t = torch.empty(p.shape, device=device)
                     t.untyped_storage().resize_(0)
@@ -256,16 +255,20 @@ def main(argv=None):
     check_batch_split(args, int(os.environ.get("WORLD_SIZE", 1)))
     rank, world_size, device = setup(args)
     setup_data(args)
+    ckpt = resume(args)  # None, or a full checkpoint written by any script at any world size
     config = gpt_config(args)
     B, T, A = args.batch_size, args.block_size, args.grad_accum_steps
     rows, micro = B // world_size, B // world_size // A  # this rank's rows; rows per micro-step
 
+    # Resuming re-partitions: each rank takes from the full tensors only what it keeps in this layout.
+    value_of = ((lambda name, shape: ckpt["model"][name]) if ckpt else
+                (lambda name, shape: init_tensor(name, shape, config, args.seed)))
     model = GPT(config, device="meta")  # shapes only; each rank then materialises what it keeps
     zero3 = None
     if args.implementation == "custom":
         owner, load = partition([(n, p.shape) for n, p in model.named_parameters()], world_size,
                                 args.persistence_threshold)
-        materialize_owned_(model, owner, rank, config, args.seed, device)
+        materialize_owned_(model, owner, rank, value_of, device)
         zero3 = Zero3(model, owner, rank, world_size, args.prefetch)
         optimizer = configure_optimizer([(n, p) for n, p in model.named_parameters() if owner[n] in (None, rank)],
                                         args.weight_decay, args.learning_rate, (args.beta1, args.beta2))
@@ -276,12 +279,18 @@ def main(argv=None):
         fully_shard(model, mesh=mesh)
         model.to_empty(device=device)  # allocates only this rank's shards
         with torch.no_grad():
-            for name, p in model.named_parameters():  # each rank cuts its shard from the full init
-                p.copy_(distribute_tensor(init_tensor(name, p.shape, config, args.seed).to(device), mesh,
-                                          p.placements, src_data_rank=None))
+            for name, p in model.named_parameters():  # each rank cuts its shard from the full tensor
+                p.copy_(distribute_tensor(value_of(name, p.shape).to(device), mesh, p.placements, src_data_rank=None))
         optimizer = configure_optimizer(model.named_parameters(), args.weight_decay, args.learning_rate,
                                         (args.beta1, args.beta2))
-    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard)
+    start = ckpt["step"] if ckpt else 0
+    if ckpt:  # AdamW state cut like its parameter: whole for an owned tensor, this rank's shard of a DTensor
+        names = {p: n for n, p in model.named_parameters()}
+        for p in (p for group in optimizer.param_groups for p in group["params"]):
+            cut = ((lambda t, p=p: distribute_tensor(t.to(device), p.device_mesh, p.placements, src_data_rank=None).clone())
+                   if isinstance(p, DTensor) else (lambda t: t.to(device, copy=True)))  # clone: not a view of t
+            set_adamw_state(optimizer, p, ckpt["optimizer"][names[p]], cut)
+    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
     if rank == 0:
         print(f"zero3 ({args.implementation}): {world_size} rank(s) on {device}, {num_params(model) / 1e6:.2f}M params, "
               f"global batch {B} x {T} tokens, {A} micro-step(s) of {micro} rows per rank", flush=True)
@@ -318,7 +327,7 @@ def main(argv=None):
         return sum(((g.float() * g.float()).sum() for g in tensors), torch.zeros((), device=device))
 
     # ---- training loop -------------------------------------------------------------------
-    for step in range(args.max_iters):
+    for step in range(start, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
             metrics.eval(step, evaluate())
         t0 = time.perf_counter()
@@ -362,11 +371,11 @@ def main(argv=None):
         metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, time.perf_counter() - t0, device,
                      args.log_interval)
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
-            save_checkpoint(model, optimizer, zero3, step + 1, config, args)
+            checkpoint(model, optimizer, zero3, step + 1, config, args)
 
     if args.eval_interval:
         metrics.eval(args.max_iters, evaluate())
-    save_checkpoint(model, optimizer, zero3, args.max_iters, config, args)
+    checkpoint(model, optimizer, zero3, args.max_iters, config, args)
     state_bytes = (held_bytes(model.parameters()) + held_bytes(p.grad for p in model.parameters())
                    + held_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)))
     per_rank = [None] * world_size
@@ -376,17 +385,15 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
-def save_checkpoint(model, optimizer, zero3, step, config, args):
-    """Collective: the full format gathered on rank 0, which writes it."""
+def checkpoint(model, optimizer, zero3, step, config, args):
+    """Collective: the full format gathered on rank 0, which writes it (with every rank's RNG state)."""
     if zero3 is not None:
         state, optim = gather_full_state(model, optimizer, zero3)
     else:  # FSDP2: full_tensor() all-gathers each DTensor on every rank
         full = lambda v: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
         state = {k: full(v) for k, v in model.state_dict().items()}
         optim = {n: {k: full(v) for k, v in optimizer.state[p].items()} for n, p in model.named_parameters()}
-    if dist.get_rank() == 0:
-        save_atomic(dict(model=state, optimizer=optim, step=step, config=asdict(config), args=vars(args)),
-                    os.path.join(args.out_dir, "ckpt.pt"))
+    save_checkpoint(state, optim, step, config, args)
 
 
 if __name__ == "__main__":

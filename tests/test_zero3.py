@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from conftest import TINY, launch, read_metrics, spawn, step_losses
 from common.data import get_batch
-from common.model import GPT, PRESETS, GPTConfig
+from common.model import GPT, PRESETS, GPTConfig, init_tensor
 from zero3_train import Zero3, gather_full_state, held_bytes, materialize_owned_, partition
 from common.model import configure_optimizer
 
@@ -25,7 +25,7 @@ def _shapes(config):
 def _build(rank, world_size, config, threshold, prefetch=True):
     model = GPT(config, device="meta")
     owner, _ = partition([(n, p.shape) for n, p in model.named_parameters()], world_size, threshold)
-    materialize_owned_(model, owner, rank, config, 0, torch.device("cpu"))
+    materialize_owned_(model, owner, rank, lambda n, s: init_tensor(n, s, config, 0), torch.device("cpu"))
     return model, Zero3(model, owner, rank, world_size, prefetch)
 
 
