@@ -29,7 +29,6 @@ Run:
 import os
 import statistics
 import time
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -37,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
-from common.checkpoint import save_atomic
+from common.checkpoint import resume, save_checkpoint, set_adamw_state
 from common.config import check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import autocast, setup, setup_data
@@ -50,9 +49,9 @@ from common.model import GPT, configure_optimizer, init_tensor
 class Stage(nn.Module):
     """Global stage `index` of `n_stages`: its blocks (named as in GPT, e.g. transformer.h.2, so
     checkpoints and optimizer state keep GPT's names), plus wte/wpe on the first stage and
-    ln_f/lm_head on the last. Only these tensors get storage, each from GPT's per-name init."""
+    ln_f/lm_head on the last. Only these tensors get storage, each from value_of(GPT name, shape)."""
 
-    def __init__(self, config, index, n_stages, seed, device):
+    def __init__(self, config, index, n_stages, value_of, device):
         super().__init__()
         full = GPT(config, device="meta")  # the whole model without storage: we only borrow its pieces
         per = config.n_layer // n_stages
@@ -71,7 +70,7 @@ class Stage(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight  # one stage: the tie is the same tensor
         with torch.no_grad():
             for name, p in self.named_parameters():  # the copy of wte starts from wte's values
-                p.copy_(init_tensor("transformer.wte.weight" if name == "lm_head.weight" else name, p.shape, config, seed))
+                p.copy_(value_of("transformer.wte.weight" if name == "lm_head.weight" else name, p.shape))
 
     def forward(self, x):  # token ids on the first stage, else the previous stage's activation
         if self.first:
@@ -244,22 +243,30 @@ def main(argv=None):
         die(f"--n_microbatches: must be a multiple of the number of stages ({p}) for --schedule interleaved")
     rank, world_size, device = setup(args)
     setup_data(args)
+    ckpt = resume(args)  # None, or a full checkpoint written by any script at any world size
     config = gpt_config(args)
     B, T, A, M = args.batch_size, args.block_size, args.grad_accum_steps, args.n_microbatches
     micro, rows = B // A, B // A // M  # rows per accumulation chunk; rows per micro-batch
 
-    chunks = [Stage(config, c * p + rank, p * V, args.seed, device) for c in range(V)]
+    def value_of(name, shape):  # this rank's tensors, by GPT name: from the full checkpoint, or GPT's init
+        return ckpt["model"][name] if ckpt else init_tensor(name, shape, config, args.seed)
+    chunks = [Stage(config, c * p + rank, p * V, value_of, device) for c in range(V)]
     # Groups are made by every rank, in the same order. tied_group: the ranks holding wte and its copy.
     act_group, grad_group = dist.new_group(list(range(p))), dist.new_group(list(range(p)))
     tied_group = dist.new_group([0, p - 1]) if p > 1 else None
     named = [(n, q) for chunk in chunks for n, q in chunk.named_parameters()]
     optimizer = configure_optimizer(named, args.weight_decay, args.learning_rate, (args.beta1, args.beta2))
+    start = ckpt["step"] if ckpt else 0
+    if ckpt:  # the copy of wte (lm_head) takes wte's AdamW state: the two get the same summed gradient
+        for n, q in named:
+            set_adamw_state(optimizer, q, ckpt["optimizer"]["transformer.wte.weight" if n == "lm_head.weight" else n],
+                            lambda t: t.to(device, copy=True))
     loss_scale = 1.0 / (A * M)  # each micro-batch's mean loss counts 1/(A*M) of the batch mean
     schedule = pytorch_schedule(chunks, rank, p, args, device, loss_scale, None) if args.implementation == "pytorch" else None
     actions = schedule_actions(args.schedule, rank, p, M, V)
     stats = dict(live=0, peak_live_bytes=0, peak_live_microbatches=0,
                  param_ptrs={q.untyped_storage().data_ptr() for _, q in named})
-    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard)
+    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
     plans = [None] * world_size
     dist.all_gather_object(plans, [f"stage {c * p + rank} (rank {rank}): " + ", ".join(
         (["wte", "wpe"] if ch.first else []) + [f"blocks {ch.blocks[0]}-{ch.blocks[-1]}"] + (["ln_f", "lm_head"] if ch.last else []))
@@ -293,7 +300,7 @@ def main(argv=None):
 
     # ---- training loop -------------------------------------------------------------------
     bubbles, events = [], None
-    for step in range(args.max_iters):
+    for step in range(start, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
             metrics.eval(step, evaluate())
         if args.print_schedule:
@@ -342,11 +349,11 @@ def main(argv=None):
             bubbles.append(bubble_fraction(all_events))
             events = all_events
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
-            save_checkpoint(chunks, optimizer, step + 1, config, args, rank)
+            checkpoint(chunks, optimizer, step + 1, config, args, rank)
 
     if args.eval_interval:
         metrics.eval(args.max_iters, evaluate())
-    save_checkpoint(chunks, optimizer, args.max_iters, config, args, rank)
+    checkpoint(chunks, optimizer, args.max_iters, config, args, rank)
     theory = (p - 1) / (M + p - 1) / V
     if rank == 0 and bubbles:
         print_timeline(events, p, M, V, args.schedule)
@@ -363,22 +370,23 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
-def save_checkpoint(chunks, optimizer, step, config, args, rank):
+def checkpoint(chunks, optimizer, step, config, args, rank):
     """Every rank sends its tensors and their AdamW state, by GPT name, to rank 0 (gather_object:
-    the whole model once over the wire), which writes the full format. The copy of wte is skipped:
-    lm_head.weight is written from wte, as in a tied GPT's state_dict."""
+    the whole model once over the wire), which assembles the full format; save_checkpoint writes it
+    (collective: it also gathers every rank's RNG state). The copy of wte is skipped: lm_head.weight
+    is written from wte, as in a tied GPT's state_dict."""
     named = [(n, q) for chunk in chunks for n, q in chunk.named_parameters() if n != "lm_head.weight"]
     mine = ({n: q.detach().cpu() for n, q in named},
             {n: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in optimizer.state[q].items()}
              for n, q in named if q in optimizer.state})
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
+    model = state = None
     if rank == 0:
         params = {n: t for g in gathered for n, t in g[0].items()}
         model = {k: params["transformer.wte.weight" if k == "lm_head.weight" else k] for k in GPT(config, device="meta").state_dict()}
-        save_atomic(dict(model=model, optimizer={n: s for g in gathered for n, s in g[1].items()},
-                         step=step, config=asdict(config), args=vars(args)),
-                    os.path.join(args.out_dir, "ckpt.pt"))
+        state = {n: s for g in gathered for n, s in g[1].items()}
+    save_checkpoint(model, state, step, config, args)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from conftest import TINY, launch, read_metrics, spawn
 from common.data import get_batch
-from common.model import GPT, GPTConfig
+from common.model import GPT, GPTConfig, init_tensor
 from pp_train import Stage, run_pipeline, schedule_actions, sum_tied_gradient
 
 
@@ -113,7 +113,7 @@ def _pipeline_grads(rank, p, cases):
     tied_group = dist.new_group([0, p - 1])
     out = []
     for schedule, m, V in cases:
-        chunks = [Stage(CONFIG, c * p + rank, p * V, 0, torch.device("cpu")) for c in range(V)]
+        chunks = [Stage(CONFIG, c * p + rank, p * V, lambda n, s: init_tensor(n, s, CONFIG, 0), torch.device("cpu")) for c in range(V)]
         named = [(n, q) for ch in chunks for n, q in ch.named_parameters()]
         stats = dict(live=0, peak_live_bytes=0, peak_live_microbatches=0,
                      param_ptrs={q.untyped_storage().data_ptr() for _, q in named})
