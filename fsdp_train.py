@@ -33,14 +33,14 @@ Run:
 """
 import os
 import time
-from dataclasses import asdict
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import distribute_tensor
 
-from common.checkpoint import save_atomic
+from common.checkpoint import resume, save_atomic, save_checkpoint, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import autocast, setup, setup_data
@@ -68,21 +68,26 @@ class FlatParamUnit:
         n_decay = sum(n for n, (_, shape, _) in zip(self.numels, self.tensors) if len(shape) >= 2)
         self.valid = max(0, min(self.shard_size, self.numel - start))  # real values (not padding) here
         self.decay = max(0, min(self.shard_size, n_decay - start))     # local_shard[:decay] is decayed
-        local_shard = torch.zeros(self.shard_size, device=device)
-        offset = 0
-        for (names, shape, _), n in zip(self.tensors, self.numels):
-            lo, hi = max(offset, start), min(offset + n, start + self.shard_size)
-            if lo < hi:
-                local_shard[lo - start:hi - start] = value_of(names[0], shape).reshape(-1)[lo - offset:hi - offset]
-            offset += n
-        self.local_shard = torch.nn.Parameter(local_shard)  # fp32: what AdamW updates
-        self.local_shard.grad = torch.zeros_like(local_shard)
+        self.full_shape, self.compute_dtype, self.device, self.start = (self.shard_size * world_size,), compute_dtype, device, start
+        self.local_shard = torch.nn.Parameter(self.shard_of(value_of))  # fp32: what AdamW updates
+        self.local_shard.grad = torch.zeros_like(self.local_shard)
         for _, _, owners in self.tensors:
             for module, attr in owners:
                 del module._parameters[attr]  # from now on a plain attribute, set by use_views()
-        self.full_shape, self.compute_dtype, self.device = (self.shard_size * world_size,), compute_dtype, device
         self.flat_param = self.work = self.sent = None
         self.post_backward = None  # called with flat_param once its gradient is complete (set by the driver)
+
+    def shard_of(self, value_of):
+        """This rank's piece of the flat vector of the tensors value_of(name, shape), padding zero: how
+        full tensors (the init, or a checkpoint's params and AdamW state) become a flat shard."""
+        shard = torch.zeros(self.shard_size, device=self.device)
+        offset = 0
+        for (names, shape, _), n in zip(self.tensors, self.numels):
+            lo, hi = max(offset, self.start), min(offset + n, self.start + self.shard_size)
+            if lo < hi:
+                shard[lo - self.start:hi - self.start] = value_of(names[0], shape).reshape(-1)[lo - offset:hi - offset]
+            offset += n
+        return shard
 
     def is_gathered(self):
         return self.flat_param is not None and self.flat_param.untyped_storage().nbytes() > 0
@@ -266,26 +271,37 @@ def main(argv=None):
     check_batch_split(args, int(os.environ.get("WORLD_SIZE", 1)))
     rank, world_size, device = setup(args)
     setup_data(args)
+    ckpt = resume(args)  # None, or a full checkpoint from any script at any world size: re-sharded below
     config = gpt_config(args)
     B, T, A = args.batch_size, args.block_size, args.grad_accum_steps
     rows, micro = B // world_size, B // world_size // A  # this rank's rows; rows per micro-step
     compute_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
 
-    model = GPT(config, seed=args.seed, device="meta" if args.deferred_init else device)
+    custom, saved = args.implementation == "custom", ckpt["optimizer"] if ckpt else {}
+    model = GPT(config, seed=args.seed, device="meta" if custom and (args.deferred_init or ckpt) else device)
     state_keys = list(model.state_dict().keys())  # both tied names, in GPT's order
-    if args.implementation == "custom":
+    if custom:
         full = dict(model.named_parameters())
-        value_of = (lambda name, shape: init_tensor(name, shape, config, args.seed)) if args.deferred_init \
-            else (lambda name, shape: full[name].detach())
+        value_of = (lambda name, shape: ckpt["model"][name]) if ckpt else \
+            (lambda name, shape: init_tensor(name, shape, config, args.seed)) if args.deferred_init else \
+            (lambda name, shape: full[name].detach())
         fsdp = FullyShardedGPT(model, value_of, rank, world_size, device, compute_dtype,
                                args.reshard_after_forward, args.prefetch)
         del full  # the whole model's tensors are freed here: only the shards remain
         shards = [u.local_shard for u in fsdp.units]
         optimizer = torch.optim.AdamW(shards, lr=args.learning_rate, betas=(args.beta1, args.beta2), eps=1e-8,
                                       weight_decay=0.0)  # decay is applied to each shard's decay range below
+        for u in fsdp.units if saved else ():
+            # Resuming re-shards the AdamW state like the params: this rank's flat exp_avg/exp_avg_sq
+            # shards are cut from the full per-name tensors. (AdamW sees flat shards, not names, so
+            # the state is set directly; every tensor of a unit has the same step count.)
+            optimizer.state[u.local_shard] = dict(step=saved[u.tensors[0][0][0]]["step"].clone(), **{
+                k: u.shard_of(lambda name, shape: saved[name][k]) for k in ("exp_avg", "exp_avg_sq")})
         n_params = sum(u.numel for u in fsdp.units)
     else:
         fsdp = None
+        if ckpt:
+            model.load_state_dict(ckpt["model"])  # every rank loads it whole; fully_shard keeps its dim-0 shards
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if args.dtype == "bfloat16" else MixedPrecisionPolicy()
         for block in model.transformer.h:
@@ -294,8 +310,14 @@ def main(argv=None):
         # DTensor parameters keep their global shapes, so the >= 2-dim decay rule applies unchanged
         optimizer = configure_optimizer(model.named_parameters(), args.weight_decay, args.learning_rate,
                                         (args.beta1, args.beta2))
+        for name, p in model.named_parameters() if saved else ():
+            # each rank cuts its shard of the state from its own full copy (src_data_rank=None: no communication)
+            set_adamw_state(optimizer, p, saved[name],
+                            lambda t: distribute_tensor(t.to(device), p.device_mesh, p.placements, src_data_rank=None))
         n_params = sum(p.numel() for p in model.parameters())
-    start = load_sharded(fsdp, optimizer, args.resume_sharded, world_size) if args.resume_sharded else 0
+    start = ckpt["step"] if ckpt else 0
+    if args.resume_sharded:
+        start = load_sharded(fsdp, optimizer, args.resume_sharded, world_size)
     metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
     if rank == 0:
         print(f"fsdp ({args.implementation}): {world_size} rank(s) on {device}, {n_params / 1e6:.2f}M params, "
@@ -361,11 +383,11 @@ def main(argv=None):
         metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, time.perf_counter() - t0, device,
                      args.log_interval)
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
-            save_checkpoint(model, fsdp, optimizer, state_keys, step + 1, config, args)
+            checkpoint(model, fsdp, optimizer, state_keys, step + 1, config, args)
 
     if args.eval_interval:
         metrics.eval(args.max_iters, evaluate())
-    save_checkpoint(model, fsdp, optimizer, state_keys, args.max_iters, config, args)
+    checkpoint(model, fsdp, optimizer, state_keys, args.max_iters, config, args)
     state = [u.local_shard for u in fsdp.units] if fsdp else [p.to_local() for p in model.parameters()]
     state_bytes = tensor_bytes(state) * 2 + tensor_bytes(
         getattr(v, "_local_tensor", v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
@@ -400,12 +422,9 @@ def full_state(model, fsdp, optimizer, state_keys):
     return {k: tensors[k] for k in state_keys}, optim
 
 
-def save_checkpoint(model, fsdp, optimizer, state_keys, step, config, args):
-    """Gather the full state (every rank takes part), rank 0 writes it in the full format."""
-    model_state, optim_state = full_state(model, fsdp, optimizer, state_keys)
-    if dist.get_rank() == 0:
-        save_atomic(dict(model=model_state, optimizer=optim_state, step=step, config=asdict(config), args=vars(args)),
-                    os.path.join(args.out_dir, "ckpt.pt"))
+def checkpoint(model, fsdp, optimizer, state_keys, step, config, args):
+    """Gather the full state (every rank takes part); rank 0 writes it in the full format."""
+    save_checkpoint(*full_state(model, fsdp, optimizer, state_keys), step, config, args)
     if args.sharded_checkpoint:
         save_sharded(fsdp, optimizer, step, os.path.join(args.out_dir, "sharded"))
 

@@ -233,6 +233,8 @@ def main(argv=None):
     V = args.virtual_stages = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
     if V <= 0 or args.n_microbatches <= 0:
         die(f"--{'virtual_stages' if V <= 0 else 'n_microbatches'}: must be > 0")
+    if p == 1 and args.schedule == "interleaved":  # chunk 0 would send to chunk 1 on its own rank
+        die("--schedule: interleaved needs at least 2 ranks (run under torchrun --nproc_per_node >= 2)")
     if args.n_layer % (p * V):
         die(f"--n_layer: {args.n_layer} layers must be divisible by stages ({p} ranks) x --virtual_stages ({V})")
     check_batch_split(args, 1)

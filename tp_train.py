@@ -24,8 +24,8 @@ gradients that are summed over the TP group after backward.
 TP group of consecutive ranks, column = DP group); each DP group splits the global batch as in
 ddp_train.py and averages gradients with its bucketed, overlapped all-reduce (GradientBuckets).
 
-Deferred init: each rank builds its shards directly: for each parameter it draws the full tensor
-from common.model.init_tensor (one at a time, so the peak is one full tensor) and keeps its slice.
+Deferred init: each rank builds its shards directly: for each parameter it takes the full tensor, one
+at a time (init_tensor's, or on resume the checkpoint's, whatever wrote it), and keeps its slice.
 
 Run:
   python tp_train.py                                        # single process: the reference
@@ -40,18 +40,17 @@ import os
 import time
 import types
 from contextlib import nullcontext
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel, loss_parallel,
                                                parallelize_module)
 
-from common.checkpoint import save_atomic
+from common.checkpoint import resume, save_checkpoint, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import autocast, setup, setup_data
@@ -93,12 +92,12 @@ class ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def _all_gather_seq(x, group):
-    """(B, S/T, C) sequence shards of all T ranks -> (B, S, C), concatenated in rank order."""
+def _all_gather(x, group, dim):
+    """The T ranks' x concatenated in rank order along `dim`: (B, S/T, C) sequence shards -> (B, S, C)."""
     T = dist.get_world_size(group)
     out = x.new_empty((T * x.size(0),) + x.shape[1:])  # gloo wants the ranks stacked along dim 0
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)  # B*S/T*C floats from each rank
-    return torch.cat(out.chunk(T), dim=1)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)  # x.numel() floats from each rank
+    return torch.cat(out.chunk(T), dim=dim)
 
 
 def _reduce_scatter_seq(x, group):
@@ -115,7 +114,7 @@ class GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather_seq(x, group)
+        return _all_gather(x, group, dim=1)
 
     @staticmethod
     def backward(ctx, grad):
@@ -132,7 +131,7 @@ class ReduceScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group), None
+        return _all_gather(grad, ctx.group, dim=1), None
 
 
 class GatherFromVocab(torch.autograd.Function):
@@ -141,9 +140,7 @@ class GatherFromVocab(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, ctx.rank = group, dist.get_rank(group)
-        out = x.new_empty((dist.get_world_size(group) * x.size(0),) + x.shape[1:])
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)  # B*S*V/T floats from each rank
-        return torch.cat(out.chunk(dist.get_world_size(group)), dim=-1)
+        return _all_gather(x, group, dim=-1)  # B*S*V/T floats from each rank
 
     @staticmethod
     def backward(ctx, grad):
@@ -173,8 +170,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, local, mine = ctx.saved_tensors
-        grad_logits = softmax.clone()
-        grad_logits.scatter_add_(-1, local.unsqueeze(-1), -mine.float().unsqueeze(-1))
+        grad_logits = softmax.scatter_add(-1, local.unsqueeze(-1), -mine.float().unsqueeze(-1))
         return grad_logits * grad.unsqueeze(-1), None, None, None
 
 
@@ -301,9 +297,9 @@ class TPBlock(nn.Module):
 
 
 class TPGPT(nn.Module):
-    """GPT with the same parameter names, each holding this rank's shard (see shard()); lm_head is
-    the vocabulary-parallel wte itself. forward returns per-token losses (or logits without targets)."""
-    def __init__(self, tp, config, seed, device, loss_parallel=True):
+    """GPT's parameter names, each holding this rank's shard of init_tensor's value (or of `state`, a full
+    GPT state_dict); lm_head is the vocabulary-parallel wte. forward returns the mean loss (or logits)."""
+    def __init__(self, tp, config, seed, device, loss_parallel=True, state=None):
         super().__init__()
         self.tp, self.config, self.loss_parallel = tp, config, loss_parallel
         self.transformer = nn.ModuleDict(dict(
@@ -315,7 +311,8 @@ class TPGPT(nn.Module):
         full_shapes = {n: p.shape for n, p in GPT(config, device="meta").named_parameters()}
         with torch.no_grad():
             for name, p in self.named_parameters():
-                p.copy_(shard(name, init_tensor(name, full_shapes[name], config, seed), tp.rank, tp.size))
+                full = state[name] if state is not None else init_tensor(name, full_shapes[name], config, seed)
+                p.copy_(shard(name, full, tp.rank, tp.size))
         self.to(device)
         # replicated parameters used on sequence shards get partial gradients with SP
         self.sequence_parallel_params = [p for n, p in self.named_parameters() if shard_dim(n) is None] if tp.sp else []
@@ -341,30 +338,23 @@ class TPGPT(nn.Module):
         return F.cross_entropy(logits.view(B * S, -1).float(), targets.view(-1))
 
 
-def gather_full(name, local, tp):
-    """The full tensor `name` on every TP rank, from the T shards (all-gather of numel*4 bytes each)."""
-    if shard_dim(name) is None:
-        return local
-    flat = local.new_empty(tp.size * local.numel())
-    dist.all_gather_into_tensor(flat, local.contiguous().view(-1), group=tp.group)
-    return unshard(name, [chunk.view_as(local) for chunk in flat.chunk(tp.size)])
-
-
 # ---- the PyTorch-native equivalent: DTensor's parallelize_module on the unchanged GPT -------
 
+def rank_ordered(name, full, T):
+    """ColwiseParallel splits outputs in T contiguous chunks, so c_attn's rows are put in rank order
+    [q_0; k_0; v_0; q_1; ...] (the custom shards stacked): whole heads per chunk. unshard() undoes it."""
+    return torch.cat([shard(name, full, r, T) for r in range(T)]) if "c_attn" in name else full
+
+
 def parallelize_torch(model, tp_mesh, sequence_parallel, loss_parallel):
-    """ColwiseParallel splits c_attn's outputs in T contiguous chunks, so its rows are first put in
-    rank order [q_0; k_0; v_0; q_1; ...] (= the custom shards concatenated), and attention runs
-    TPAttention.forward on the local heads. The checkpoint undoes the permutation (unshard)."""
+    """c_attn rank-ordered (above); attention runs TPAttention.forward on the local heads."""
     T = tp_mesh.size()
     seq = Shard(1) if sequence_parallel else Replicate()
     with torch.no_grad():
-        for i, block in enumerate(model.transformer.h):
-            for kind in ("weight", "bias"):
-                p = getattr(block.attn.c_attn, kind, None)
-                if p is not None:
-                    name = f"transformer.h.{i}.attn.c_attn.{kind}"
-                    p.copy_(torch.cat([shard(name, p, r, T) for r in range(T)]))
+        for name, p in model.named_parameters():
+            if "c_attn" in name:
+                p.copy_(rank_ordered(name, p, T))
+        for block in model.transformer.h:
             block.attn.n_head //= T
             block.attn.forward = types.MethodType(TPAttention.forward, block.attn)
     plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -386,6 +376,15 @@ def parallelize_torch(model, tp_mesh, sequence_parallel, loss_parallel):
 
 def local(t):
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_piece(name, p, full, tp_rank, T):
+    """A new tensor laid out like parameter `p`: this rank's piece of the full tensor `name`. DTensor:
+    each rank cuts its shard from its own full copy (src_data_rank=None: no communication)."""
+    if isinstance(p, DTensor):
+        full = rank_ordered(name, full, T).to(local(p).device, copy=True)
+        return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+    return torch.empty_like(p).copy_(shard(name, full, tp_rank, T))
 
 
 def sum_sequence_parallel_grads(params, tp_group):
@@ -446,38 +445,47 @@ def main(argv=None):
     T, D = check_tp_args(args, int(os.environ.get("WORLD_SIZE", 1)))
     rank, world_size, device = setup(args)
     setup_data(args)
+    ckpt = resume(args)  # None, or a full checkpoint from any script and world size: re-sharded below
+    resumed_rng = torch.get_rng_state()  # resume() set it (restored, or reseeded by rank); building draws from it
     config = gpt_config(args)
     B, S, A = args.batch_size, args.block_size, args.grad_accum_steps
     rows, micro = B // D, B // D // A  # this DP rank's rows; rows per micro-step
     dp_rank = rank // T
+    my_rows = slice(dp_rank * rows, (dp_rank + 1) * rows)  # this DP rank's rows of each global batch
     # The D x T rank grid: row d is a TP group (consecutive ranks: one node's fast links), column t a DP group.
     grid = torch.arange(world_size).view(D, T)
-    tp_group = dp_group = None
-    if args.implementation == "custom":
-        for ranks in grid.tolist():  # TP groups; every rank creates every group, in the same order
-            group = dist.new_group(ranks)
-            tp_group = group if rank in ranks else tp_group
-        for ranks in grid.t().tolist():  # DP groups
-            group = dist.new_group(ranks)
-            dp_group = group if rank in ranks else dp_group
+    if args.implementation == "custom":  # every rank creates every group (new_group), in the same order
+        tp_group, _ = dist.new_subgroups_by_enumeration(grid.tolist())
+        dp_group, _ = dist.new_subgroups_by_enumeration(grid.t().tolist())
         tp = TP(tp_group, args.sequence_parallel)
-        torch.manual_seed(args.seed + 1000 * dp_rank + (tp.rank if tp.sp else 0))  # dropout: equal on replicated activations
-        model = TPGPT(tp, config, args.seed, device, args.loss_parallel)
-        named = list(model.named_parameters())
-        sharded = [p for n, p in named if shard_dim(n) is not None]
+        model = TPGPT(tp, config, args.seed, device, args.loss_parallel, state=ckpt and ckpt["model"])
+        sharded = [p for n, p in model.named_parameters() if shard_dim(n) is not None]
         buckets = GradientBuckets(model, args.bucket_cap_mb, group=dp_group) if D > 1 else None
     else:
         mesh = init_device_mesh(device.type, (D, T), mesh_dim_names=("dp", "tp"))
         tp_group, dp_group = mesh.get_group("tp"), mesh.get_group("dp")
-        torch.manual_seed(args.seed + 1000 * dp_rank)
-        model = parallelize_torch(GPT(config, seed=args.seed, device=device), mesh["tp"], args.sequence_parallel,
-                                  args.loss_parallel)
-        named = list(model.named_parameters())
-        sharded = [p for n, p in named if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)]
+        model = GPT(config, seed=args.seed, device=device)
+        if ckpt is not None:
+            model.load_state_dict(ckpt["model"])
+        model = parallelize_torch(model, mesh["tp"], args.sequence_parallel, args.loss_parallel)
+        sharded = [p for p in model.parameters() if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)]
         buckets = None
+    named = list(model.named_parameters())
     params = [p for _, p in named]
     optimizer = configure_optimizer(named, args.weight_decay, args.learning_rate, (args.beta1, args.beta2))
-    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard)
+    # Dropout: without SP the TP ranks draw the same masks (their activations are replicated), with SP each its own.
+    torch.manual_seed(args.seed + 1000 * dp_rank + (rank % T if args.sequence_parallel else 0))  # CPU and CUDA
+    start = ckpt["step"] if ckpt else 0
+    if ckpt is not None:
+        for name, p in named:
+            set_adamw_state(optimizer, p, ckpt["optimizer"][name], lambda t: local_piece(name, p, t, rank % T, T))
+        # Dropout goes on from resume()'s (CPU) RNG state; without SP the TP ranks take TP rank 0's, as a
+        # checkpoint from another script or world size has one per rank.
+        rng = resumed_rng.to(device)
+        if not args.sequence_parallel:
+            dist.broadcast(rng, group=tp_group, group_src=0)  # 5 KB
+        torch.set_rng_state(rng.cpu())
+    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
     loss_context = loss_parallel if args.implementation == "pytorch" and args.loss_parallel else nullcontext
     if rank == 0:
         print(f"tp ({args.implementation}): {world_size} rank(s) on {device} as DP {D} x TP {T}, grid (row = TP group):\n"
@@ -500,15 +508,14 @@ def main(argv=None):
             for k in range(args.eval_iters):
                 x, y = get_batch(split, k, B, S, args.seed + 1, args.dataset)
                 with loss_context():
-                    total += local(forward_loss(x[dp_rank * rows:(dp_rank + 1) * rows].to(device),
-                                                y[dp_rank * rows:(dp_rank + 1) * rows].to(device))).float()
+                    total += local(forward_loss(x[my_rows].to(device), y[my_rows].to(device))).float()
             dist.all_reduce(total, op=dist.ReduceOp.AVG, group=dp_group)
             out[split] = total.item() / args.eval_iters
         model.train()
         return out
 
     # ---- training loop -------------------------------------------------------------------
-    for step in range(args.max_iters):
+    for step in range(start, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
             metrics.eval(step, evaluate())
         t0 = time.perf_counter()
@@ -516,7 +523,7 @@ def main(argv=None):
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = get_batch("train", step, B, S, args.seed, args.dataset)
-        x, y = x[dp_rank * rows:(dp_rank + 1) * rows].to(device), y[dp_rank * rows:(dp_rank + 1) * rows].to(device)
+        x, y = x[my_rows].to(device), y[my_rows].to(device)
         loss_sum = torch.zeros((), device=device)
         for j in range(A):
             if buckets is not None:
@@ -554,11 +561,11 @@ def main(argv=None):
             torch.cuda.synchronize()
         metrics.step(step, loss_sum.item(), lr, norm.item(), B * S, time.perf_counter() - t0, device, args.log_interval)
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
-            save_checkpoint(model, named, optimizer, step + 1, config, args, rank, T, tp_group)
+            checkpoint(named, optimizer, step + 1, config, args, tp_group)
 
     if args.eval_interval:
         metrics.eval(args.max_iters, evaluate())
-    save_checkpoint(model, named, optimizer, args.max_iters, config, args, rank, T, tp_group)
+    checkpoint(named, optimizer, args.max_iters, config, args, tp_group)
     # params + grads + AdamW state held by this rank (its shards, and the replicated tensors)
     state_bytes = (2 * tensor_bytes(local(p) for p in params)  # params and their grads (freed by zero_grad here)
                    + tensor_bytes(local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)))
@@ -569,25 +576,23 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
-def save_checkpoint(model, named, optimizer, step, config, args, rank, T, tp_group):
-    """Every TP rank sends its shards (all-gather); rank 0 writes the full GPT format. A collective:
-    all ranks call it. DTensor: full_tensor() gathers; c_attn's rank-ordered rows are put back."""
-    tp = types.SimpleNamespace(group=tp_group, size=T)
+def checkpoint(named, optimizer, step, config, args, tp_group):
+    """Collective: every TP rank all-gathers the shards (numel*4 bytes from each), and rank 0 hands
+    the full GPT format to save_checkpoint."""
+    T = dist.get_world_size(tp_group)
 
     def full(name, t):
-        if isinstance(t, DTensor):
+        if isinstance(t, DTensor):  # full_tensor() all-gathers; c_attn's rank-ordered rows are put back
             t = t.full_tensor()
-            return unshard(name, list(t.chunk(T))) if "c_attn" in name else t
-        return gather_full(name, t, tp)
+            t = unshard(name, list(t.chunk(T))) if "c_attn" in name else t
+        elif shard_dim(name) is not None:
+            t = unshard(name, list(_all_gather(t, tp_group, dim=0).chunk(T)))
+        return t.cpu()
     state = {name: full(name, p.detach()) for name, p in named}
     opt = {name: {k: full(name, v) if torch.is_tensor(v) and v.dim() else v for k, v in optimizer.state[p].items()}
            for name, p in named if p in optimizer.state}
-    if rank != 0:
-        return
-    keys = GPT(config, device="meta").state_dict().keys()
-    model_state = {k: state.get(k, state["transformer.wte.weight"]).cpu() for k in keys}  # lm_head.weight is wte
-    save_atomic(dict(model=model_state, optimizer=opt, step=step, config=asdict(config), args=vars(args)),
-                os.path.join(args.out_dir, "ckpt.pt"))
+    state["lm_head.weight"] = state["transformer.wte.weight"]  # tied; GPT's state_dict order, lm_head last
+    save_checkpoint(state, opt, step, config, args)
 
 
 if __name__ == "__main__":
