@@ -24,8 +24,8 @@ gradients that are summed over the TP group after backward.
 TP group of consecutive ranks, column = DP group); each DP group splits the global batch as in
 ddp_train.py and averages gradients with its bucketed, overlapped all-reduce (GradientBuckets).
 
-Deferred init: each rank builds its shards directly: for each parameter it takes the full tensor, one
-at a time (init_tensor's, or on resume the checkpoint's, whatever wrote it), and keeps its slice.
+Deferred init: each rank builds its shards directly, one full tensor at a time (init_tensor's, or on
+resume the checkpoint's, whichever script and world size wrote it), keeping its slice.
 
 Run:
   python tp_train.py                                        # single process: the reference
@@ -387,13 +387,14 @@ def local_piece(name, p, full, tp_rank, T):
     return torch.empty_like(p).copy_(shard(name, full, tp_rank, T))
 
 
-def sum_sequence_parallel_grads(params, tp_group):
-    """SP: each TP rank computed these replicated parameters' gradients from its sequence shard
-    only; one flat all-reduce of their numel*4 bytes over the TP group sums them."""
-    flat = torch.cat([p.grad.view(-1) for p in params])
-    dist.all_reduce(flat, group=tp_group)
-    for p, g in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(g.view_as(p))
+def all_reduce_grads(params, group, op=dist.ReduceOp.SUM):
+    """One flat all-reduce of these parameters' (local) gradients over `group`, numel*4 bytes. SP: sums the
+    replicated ones, each TP rank's from its sequence shard only; pytorch 2D: averages over DP."""
+    grads = [local(p.grad) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=op, group=group)
+    for g, f in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(f.view_as(g))
 
 
 def global_grad_norm(params, sharded, tp_group):
@@ -446,15 +447,14 @@ def main(argv=None):
     rank, world_size, device = setup(args)
     setup_data(args)
     ckpt = resume(args)  # None, or a full checkpoint from any script and world size: re-sharded below
-    resumed_rng = torch.get_rng_state()  # resume() set it (restored, or reseeded by rank); building draws from it
+    resumed_rng = torch.get_rng_state()  # resume() set it; building the model may draw from it
     config = gpt_config(args)
     B, S, A = args.batch_size, args.block_size, args.grad_accum_steps
-    rows, micro = B // D, B // D // A  # this DP rank's rows; rows per micro-step
-    dp_rank = rank // T
+    dp_rank, rows, micro = rank // T, B // D, B // D // A  # rows per DP rank, and per micro-step
     my_rows = slice(dp_rank * rows, (dp_rank + 1) * rows)  # this DP rank's rows of each global batch
     # The D x T rank grid: row d is a TP group (consecutive ranks: one node's fast links), column t a DP group.
     grid = torch.arange(world_size).view(D, T)
-    if args.implementation == "custom":  # every rank creates every group (new_group), in the same order
+    if args.implementation == "custom":  # a new_group per row and per column, created by every rank
         tp_group, _ = dist.new_subgroups_by_enumeration(grid.tolist())
         dp_group, _ = dist.new_subgroups_by_enumeration(grid.t().tolist())
         tp = TP(tp_group, args.sequence_parallel)
@@ -468,19 +468,18 @@ def main(argv=None):
         if ckpt is not None:
             model.load_state_dict(ckpt["model"])
         model = parallelize_torch(model, mesh["tp"], args.sequence_parallel, args.loss_parallel)
-        sharded = [p for p in model.parameters() if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)]
+        sharded = [p for p in model.parameters() if isinstance(p, DTensor) and any(x.is_shard() for x in p.placements)]
         buckets = None
     named = list(model.named_parameters())
     params = [p for _, p in named]
     optimizer = configure_optimizer(named, args.weight_decay, args.learning_rate, (args.beta1, args.beta2))
-    # Dropout: without SP the TP ranks draw the same masks (their activations are replicated), with SP each its own.
+    # Dropout: without SP the TP ranks draw the same masks (replicated activations); with SP, each its own.
     torch.manual_seed(args.seed + 1000 * dp_rank + (rank % T if args.sequence_parallel else 0))  # CPU and CUDA
     start = ckpt["step"] if ckpt else 0
     if ckpt is not None:
         for name, p in named:
             set_adamw_state(optimizer, p, ckpt["optimizer"][name], lambda t: local_piece(name, p, t, rank % T, T))
-        # Dropout goes on from resume()'s (CPU) RNG state; without SP the TP ranks take TP rank 0's, as a
-        # checkpoint from another script or world size has one per rank.
+        # resume()'s RNG state goes on; without SP, TP rank 0's (another layout's checkpoint has one per rank)
         rng = resumed_rng.to(device)
         if not args.sequence_parallel:
             dist.broadcast(rng, group=tp_group, group_src=0)  # 5 KB
@@ -538,18 +537,15 @@ def main(argv=None):
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=dp_group)  # equal on the TP ranks already
         if args.implementation == "custom":
             if model.sequence_parallel_params:
-                sum_sequence_parallel_grads(model.sequence_parallel_params, tp_group)
+                all_reduce_grads(model.sequence_parallel_params, tp_group)
         else:
             # Gradients may come back in another placement than their parameter: SequenceParallel's
             # LayerNorms (and the row biases') as Partial(sum), the sharded wpe's as Replicate.
             for p in params:
                 if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
                     p.grad = p.grad.redistribute(placements=p.placements)
-            if D > 1:  # DP: one flat all-reduce (mean) of this rank's local gradient shards over the DP group
-                flat = torch.cat([local(p.grad).reshape(-1) for p in params])
-                dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=dp_group)
-                for p, g in zip(params, flat.split([local(p.grad).numel() for p in params])):
-                    local(p.grad).copy_(g.view_as(local(p.grad)))
+            if D > 1:  # DP: the mean of this rank's local gradient shards over the DP group
+                all_reduce_grads(params, dp_group, op=dist.ReduceOp.AVG)
         norm = global_grad_norm(params, sharded, tp_group)
         if args.grad_clip > 0:
             clip = (args.grad_clip / (norm + 1e-6)).clamp(max=1.0)
@@ -577,8 +573,7 @@ def main(argv=None):
 
 
 def checkpoint(named, optimizer, step, config, args, tp_group):
-    """Collective: every TP rank all-gathers the shards (numel*4 bytes from each), and rank 0 hands
-    the full GPT format to save_checkpoint."""
+    """Collective: the TP ranks all-gather the shards; rank 0 hands the full format to save_checkpoint."""
     T = dist.get_world_size(tp_group)
 
     def full(name, t):

@@ -13,7 +13,7 @@ from conftest import TINY, launch, spawn
 from common.data import get_batch
 from common.model import GPT, GPTConfig
 from tp_train import (TP, ColumnParallelLinear, RowParallelLinear, TPBlock, TPGPT, VocabParallelCrossEntropy,
-                      VocabParallelEmbedding, global_grad_norm, shard, shard_dim, sum_sequence_parallel_grads, unshard)
+                      VocabParallelEmbedding, global_grad_norm, shard, shard_dim, all_reduce_grads, unshard)
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)
 B, S, C = 2, CONFIG.block_size, CONFIG.n_embd
@@ -62,7 +62,7 @@ def _layers_equal_unsharded_sp(sp):
             y_local.backward(_seq(grad_out, tp))
             y_ref, x_grad_ref = _seq(y.detach(), tp), x.grad.chunk(tp.size, dim=2)[tp.rank]
             if sp:  # the replicated bias saw only this rank's sequence shard
-                sum_sequence_parallel_grads([layer.bias], tp.group)
+                all_reduce_grads([layer.bias], tp.group)
         diffs[f"{kind} {name}"] = _max_diff([
             (y_local, y_ref), (x_local.grad, x_grad_ref),
             (layer.weight.grad, shard(name + ".weight", full.weight.grad, tp.rank, tp.size)),
@@ -133,7 +133,7 @@ def _model_equals_reference_sp(sp):
     tp_loss = model(x, y)
     tp_loss.backward()
     if sp:
-        sum_sequence_parallel_grads(model.sequence_parallel_params, tp.group)
+        all_reduce_grads(model.sequence_parallel_params, tp.group)
     grad_diff = _max_diff((p.grad, shard(n, reference[n].grad, tp.rank, tp.size)) for n, p in model.named_parameters())
     params = [p for _, p in model.named_parameters()]
     norm = global_grad_norm(params, [p for n, p in model.named_parameters() if shard_dim(n) is not None], tp.group)
