@@ -4,7 +4,8 @@ The full format, `<out_dir>/ckpt.pt` (like nanoGPT's), is one dict gathered on r
   model:      the full GPT state_dict (both tied keys, transformer.wte.weight and lm_head.weight)
   optimizer:  {parameter name: {"step", "exp_avg", "exp_avg_sq"}}: AdamW state, full unsharded tensors
   step:       optimizer steps taken = the next step to run; the lr schedule position is get_lr(step)
-  rng:        [torch RNG state of rank r, for r in range(world_size)] (dropout; data is a function of step)
+  rng:        [{"cpu", "cuda"} RNG states of rank r, for r in range(world_size)] (dropout; the data
+              is a function of the step)
   config:     GPTConfig fields
   args:       the run's flags
   format:     "nanodist-full-v1"
@@ -47,7 +48,8 @@ def save_checkpoint(model_state, optimizer_state, step, config, args):
     (the other ranks may pass None)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     rng = [None] * world_size if rank == 0 else None
-    dist.gather_object(torch.get_rng_state(), rng, dst=0)
+    mine = dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+    dist.gather_object(mine, rng, dst=0)
     if rank == 0:
         save_atomic(dict(format=FORMAT, script=os.path.basename(sys.argv[0]), model=model_state,
                          optimizer=optimizer_state, step=step, rng=rng, config=config.__dict__.copy(), args=vars(args)),
@@ -87,7 +89,10 @@ def resume(args):
     ckpt, _ = read(path)
     rng = ckpt.get("rng")
     if rng is not None and len(rng) == dist.get_world_size():
-        torch.set_rng_state(rng[dist.get_rank()])
+        state = rng[dist.get_rank()]
+        torch.set_rng_state(state["cpu"])
+        if state["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
     else:  # another world size: a fresh dropout stream per rank and step
         torch.manual_seed(args.seed + dist.get_rank() + 1_000_003 * ckpt["step"])
     if dist.get_rank() == 0:

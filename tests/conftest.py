@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -40,7 +41,18 @@ def launch(script, nproc, args, timeout=300):
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(cmd + list(args), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    # In its own session, so a timeout kills torchrun and its workers alike: a worker left behind
+    # could hold ports and CPU and disturb the tests after it.
+    proc = subprocess.Popen(cmd + list(args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(proc.args, proc.wait(), stdout, stderr)
 
 
 def read_metrics(out_dir):

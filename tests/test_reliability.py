@@ -95,7 +95,16 @@ def _start(script, nproc, args, out_dir, torchrun_flags=()):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *torchrun_flags, script, *FLAGS, *args, "--out_dir", str(out_dir)]
     return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _kill_all(proc):
+    """Whatever happened, leave no launcher or worker behind (they are in proc's session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _signal_rank_after(out_dir, rank, step, proc, sig=signal.SIGKILL, deadline_s=120):
@@ -119,8 +128,11 @@ def test_killed_rank_restarts_resumes_and_finishes_with_the_same_loss(tmp_path):
     args = ["--max_iters", str(steps), "--lr_decay_iters", str(steps), "--checkpoint_interval", "4"]
     run("fsdp_train.py", 2, args, whole)
     proc = _start("fsdp_train.py", 2, args, faulty, ["--max-restarts=1"])
-    _signal_rank_after(faulty, 1, 9, proc)
-    out, _ = proc.communicate(timeout=300)
+    try:
+        _signal_rank_after(faulty, 1, 9, proc)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        _kill_all(proc)
     assert proc.returncode == 0, out[-3000:]
     assert "resuming from" in out and "at step 8" in out
     assert by_step(faulty) == by_step(whole)
@@ -129,12 +141,13 @@ def test_killed_rank_restarts_resumes_and_finishes_with_the_same_loss(tmp_path):
 
 def test_crash_without_restart_ends_every_rank_within_the_timeout(tmp_path):
     proc = _start("ddp_train.py", 2, ["--max_iters", "100000", "--timeout_s", "20"], tmp_path)
-    killed_at = _signal_rank_after(tmp_path, 1, 2, proc)
     try:
+        killed_at = _signal_rank_after(tmp_path, 1, 2, proc)
         out, _ = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
-        proc.kill()
         raise AssertionError("the surviving rank did not exit within 60 s of the crash")
+    finally:
+        _kill_all(proc)
     print(f"every rank gone {time.time() - killed_at:.1f} s after SIGKILL of rank 1")
     assert proc.returncode != 0
     assert _pids_of_rank(tmp_path, 0) == []
@@ -150,7 +163,8 @@ def test_a_hung_peer_is_bounded_by_timeout_s(tmp_path):
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
         procs.append(subprocess.Popen([sys.executable, "ddp_train.py", *FLAGS, "--max_iters", "100000",
                                        "--timeout_s", str(timeout_s), "--out_dir", str(tmp_path)], cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
     try:
         _signal_rank_after(tmp_path, 1, 2, procs[0], signal.SIGSTOP)
         t0 = time.time()
@@ -162,7 +176,7 @@ def test_a_hung_peer_is_bounded_by_timeout_s(tmp_path):
         assert procs[0].returncode != 0
     finally:
         for p in procs:
-            p.kill()
+            _kill_all(p)
 
 
 def test_two_nodes_on_loopback_equal_one_node(tmp_path):
@@ -176,8 +190,13 @@ def test_two_nodes_on_loopback_equal_one_node(tmp_path):
                "ddp_train.py", *FLAGS, "--max_iters", "8", "--out_dir", str(tmp_path / "two")]
         # Both "nodes" share this machine's cores as the 2 local ranks of one node do.
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        nodes.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=300)[0] for p in nodes]
+        nodes.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            _kill_all(p)
     assert all(p.returncode == 0 for p in nodes), "\n".join(o[-2000:] for o in outs)
     two, single = step_losses(tmp_path / "two"), step_losses(one)
     print(f"two nodes vs one node: max |dloss| = {max(abs(a - b) for a, b in zip(two, single)):.2e}")
