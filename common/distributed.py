@@ -40,7 +40,16 @@ def setup(args):
     backend = "nccl" if use_cuda else "gloo"
     timeout = timedelta(seconds=args.timeout_s)  # a collective waiting longer than this raises
     if torchrun:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
+        store, attempt = None, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if attempt > 0:
+            # torchrun's agent serves one store to every attempt, and the dead attempt's keys are still
+            # in it: a restarted rank could read its predecessor's gloo address and wait forever
+            # (seen here in about 1 restart in 3). A prefix per attempt keeps the attempts apart.
+            hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            store = dist.PrefixStore(f"nanodist/attempt_{attempt}", dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, hosts, timeout=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device if use_cuda else None)
     else:  # single process: a one-rank group in memory, no port needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     # FSDP2/DTensor modules sit in reference cycles that hold gloo work objects; if they are first
