@@ -53,7 +53,7 @@ from common.model import GPT, configure_optimizer, init_tensor
 class FlatParamUnit:
     """The parameters of one unit flattened into one vector of `numel` values, padded to N shards of
     `shard_size`. `tensors`: [(names, shape, owners)], a tied tensor listed once with every (module,
-    attribute) that uses it. `value_of(name, shape)` gives a tensor's initial value; only the tensors
+    attribute) that uses it. `value_of(name, shape)` gives a tensor's full value; only the tensors
     that overlap this rank's shard are asked for, one at a time (so deferred init never holds more
     than one full tensor besides the shards)."""
 
@@ -64,16 +64,16 @@ class FlatParamUnit:
         self.numel = sum(self.numels)
         self.shard_size = -(-self.numel // world_size)  # ceil: the padding (< N values) sits at the end
         self.padding = self.shard_size * world_size - self.numel
-        start = rank * self.shard_size
+        self.start, self.device = rank * self.shard_size, device  # this shard's first index in the flat vector
         n_decay = sum(n for n, (_, shape, _) in zip(self.numels, self.tensors) if len(shape) >= 2)
-        self.valid = max(0, min(self.shard_size, self.numel - start))  # real values (not padding) here
-        self.decay = max(0, min(self.shard_size, n_decay - start))     # local_shard[:decay] is decayed
-        self.full_shape, self.compute_dtype, self.device, self.start = (self.shard_size * world_size,), compute_dtype, device, start
+        self.valid = max(0, min(self.shard_size, self.numel - self.start))  # real values (not padding) here
+        self.decay = max(0, min(self.shard_size, n_decay - self.start))     # local_shard[:decay] is decayed
         self.local_shard = torch.nn.Parameter(self.shard_of(value_of))  # fp32: what AdamW updates
         self.local_shard.grad = torch.zeros_like(self.local_shard)
         for _, _, owners in self.tensors:
             for module, attr in owners:
                 del module._parameters[attr]  # from now on a plain attribute, set by use_views()
+        self.full_shape, self.compute_dtype = (self.shard_size * world_size,), compute_dtype
         self.flat_param = self.work = self.sent = None
         self.post_backward = None  # called with flat_param once its gradient is complete (set by the driver)
 
@@ -281,6 +281,8 @@ def main(argv=None):
     model = GPT(config, seed=args.seed, device="meta" if custom and (args.deferred_init or ckpt) else device)
     state_keys = list(model.state_dict().keys())  # both tied names, in GPT's order
     if custom:
+        # Resuming re-shards here: value_of reads the checkpoint's full tensors, and each rank cuts its own
+        # flat shards from them (no communication), whatever the world size that wrote them.
         full = dict(model.named_parameters())
         value_of = (lambda name, shape: ckpt["model"][name]) if ckpt else \
             (lambda name, shape: init_tensor(name, shape, config, args.seed)) if args.deferred_init else \
@@ -291,10 +293,8 @@ def main(argv=None):
         shards = [u.local_shard for u in fsdp.units]
         optimizer = torch.optim.AdamW(shards, lr=args.learning_rate, betas=(args.beta1, args.beta2), eps=1e-8,
                                       weight_decay=0.0)  # decay is applied to each shard's decay range below
-        for u in fsdp.units if saved else ():
-            # Resuming re-shards the AdamW state like the params: this rank's flat exp_avg/exp_avg_sq
-            # shards are cut from the full per-name tensors. (AdamW sees flat shards, not names, so
-            # the state is set directly; every tensor of a unit has the same step count.)
+        for u in fsdp.units if saved else ():  # AdamW sees flat shards, not names: set its state directly,
+            # the flat exp_avg/exp_avg_sq shards cut from the full tensors like the params
             optimizer.state[u.local_shard] = dict(step=saved[u.tensors[0][0][0]]["step"].clone(), **{
                 k: u.shard_of(lambda name, shape: saved[name][k]) for k in ("exp_avg", "exp_avg_sq")})
         n_params = sum(u.numel for u in fsdp.units)
@@ -315,9 +315,8 @@ def main(argv=None):
             set_adamw_state(optimizer, p, saved[name],
                             lambda t: distribute_tensor(t.to(device), p.device_mesh, p.placements, src_data_rank=None))
         n_params = sum(p.numel() for p in model.parameters())
-    start = ckpt["step"] if ckpt else 0
-    if args.resume_sharded:
-        start = load_sharded(fsdp, optimizer, args.resume_sharded, world_size)
+    start = load_sharded(fsdp, optimizer, args.resume_sharded, world_size) if args.resume_sharded else \
+        ckpt["step"] if ckpt else 0
     metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
     if rank == 0:
         print(f"fsdp ({args.implementation}): {world_size} rank(s) on {device}, {n_params / 1e6:.2f}M params, "
