@@ -54,7 +54,7 @@ from common.checkpoint import resume, save_checkpoint, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import autocast, setup, setup_data
-from common.metrics import Metrics, peak_mem_bytes, tensor_bytes
+from common.metrics import Metrics, SavedActivations, peak_mem_bytes, tensor_bytes
 from common.model import GPT, LayerNorm, configure_optimizer, init_tensor
 from ddp_train import GradientBuckets
 
@@ -513,6 +513,7 @@ def main(argv=None):
         model.train()
         return out
 
+    activations = SavedActivations()  # bytes saved for backward by one micro-step: SP shrinks them
     # ---- training loop -------------------------------------------------------------------
     for step in range(start, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
@@ -527,7 +528,8 @@ def main(argv=None):
         for j in range(A):
             if buckets is not None:
                 buckets.require_sync = j == A - 1  # DP all-reduce only on the last micro-step
-            with loss_context():  # torch's loss_parallel() must cover forward and backward
+            saved = activations if step == start and j == 0 else nullcontext()  # measured once
+            with loss_context(), saved:  # torch's loss_parallel() must cover forward and backward
                 loss = forward_loss(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro])
                 (loss / A).backward()
             if buckets is not None:
@@ -566,8 +568,9 @@ def main(argv=None):
     state_bytes = (2 * tensor_bytes(local(p) for p in params)  # params and their grads (freed by zero_grad here)
                    + tensor_bytes(local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)))
     per_rank = [None] * world_size
-    dist.all_gather_object(per_rank, (state_bytes, peak_mem_bytes(device)))
-    metrics.summary([s for s, _ in per_rank], [m for _, m in per_rank])
+    dist.all_gather_object(per_rank, (state_bytes, peak_mem_bytes(device), activations.bytes))
+    metrics.summary([r[0] for r in per_rank], [r[1] for r in per_rank],
+                    saved_activation_bytes_per_rank=[r[2] for r in per_rank])
     metrics.close()
     dist.destroy_process_group()
 

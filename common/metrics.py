@@ -29,6 +29,33 @@ def optimizer_state_bytes(optimizer):
     return tensor_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
 
+class SavedActivations:
+    """`with SavedActivations() as a:` counts the bytes autograd saves for backward inside it (the
+    activations, parameters excluded), once per storage: one forward's activation memory, measured
+    the same way on CPU and GPU, whatever the allocator does."""
+
+    def __init__(self):
+        self.storages = {}
+
+    def _pack(self, t):
+        if not isinstance(t, torch.nn.Parameter):
+            storage = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's local shard
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    @property
+    def bytes(self):
+        return sum(self.storages.values())
+
+
 class Metrics:
     def __init__(self, out_dir, enabled, tensorboard=True, start_step=0):
         """start_step > 0 (a resumed run): keep the lines of steps before it, drop the rest (steps
