@@ -16,7 +16,8 @@ The schedule decides the order of forwards (F) and backwards (B) on each rank:
   interleaved  1F1B over V chunks per rank (Megatron): the idle "bubble" shrinks by V, for V times
                more messages.
 Idle fraction with equal stages, (p-1)/(M+p-1) (divided by V when interleaved): --print_schedule
-prints the measured one next to it, with a timeline per rank.
+prints the measured one next to it, with a timeline per rank, and the same formula for the measured
+stage times (the small model's last stage, with its 50304-wide head and loss, computes ~7x longer).
 
 Run:
   python pp_train.py                                   # single process: one stage, the reference
@@ -301,7 +302,7 @@ def main(argv=None):
         return out
 
     # ---- training loop -------------------------------------------------------------------
-    bubbles, events = [], None
+    bubbles, busy, events = [], [], None  # busy: per step, each rank's ms in F and B
     for step in range(start, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
             metrics.eval(step, evaluate())
@@ -349,6 +350,7 @@ def main(argv=None):
             all_events = [None] * world_size
             dist.all_gather_object(all_events, events)
             bubbles.append(bubble_fraction(all_events))
+            busy.append([1000 * sum(t1 - t0 for *_, t0, t1 in rank_events) for rank_events in all_events])
             events = all_events
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
             checkpoint(chunks, optimizer, step + 1, config, args, rank)
@@ -357,16 +359,24 @@ def main(argv=None):
         metrics.eval(args.max_iters, evaluate())
     checkpoint(chunks, optimizer, args.max_iters, config, args, rank)
     theory = (p - 1) / (M + p - 1) / V
+    busy = [statistics.median(ms) for ms in zip(*busy)]  # per rank: ms of F and B per step
+    # The theory assumes equal stages. With the measured ones: the slowest stage computes throughout and
+    # every other stage adds one micro-batch's (chunk's) share to fill and drain the pipeline, so a step
+    # takes max(S) + (sum(S) - max(S)) / (m V) (equal stages: (p-1)/(mV+p-1), the theory for V = 1).
+    staged = 1 - sum(busy) / (p * (max(busy) + (sum(busy) - max(busy)) / (M * V))) if busy else None
     if rank == 0 and bubbles:
         print_timeline(events, p, M, V, args.schedule)
         print(f"bubble: measured {statistics.median(bubbles):.1%} (median of {len(bubbles)} steps, mean over ranks), "
               f"theory {theory:.1%} = (p-1)/(m+p-1){'/V' if V > 1 else ''} with p={p}, m={M}" + (f", V={V}" if V > 1 else ""))
+        print(f"  the theory assumes equal stages; measured F+B ms per step and rank: {[round(b) for b in busy]}, "
+              f"for which the same model of the schedule gives {staged:.1%}")
     state_bytes = tensor_bytes(q for _, q in named) + tensor_bytes(q.grad for _, q in named) + optimizer_state_bytes(optimizer)
     per_rank = [None] * world_size
     dist.all_gather_object(per_rank, (state_bytes, peak_mem_bytes(device), stats["peak_live_microbatches"], stats["peak_live_bytes"]))
     extra = dict(peak_live_microbatches_per_rank=[r[2] for r in per_rank], peak_activation_bytes_per_rank=[r[3] for r in per_rank])
     if bubbles:
-        extra.update(bubble_measured=statistics.median(bubbles), bubble_theory=theory)
+        extra.update(bubble_measured=statistics.median(bubbles), bubble_theory=theory, bubble_for_stage_times=staged,
+                     compute_ms_per_rank=[round(b, 1) for b in busy])
     metrics.summary([r[0] for r in per_rank], [r[1] for r in per_rank], **extra)
     metrics.close()
     dist.destroy_process_group()

@@ -8,11 +8,12 @@ P/N + the largest tensor; the small preset's tied 50304 x 128 embedding is 88% o
 one rank holds it and the other the rest). Tensors of fewer than --persistence_threshold elements
 (e.g. 1024: biases, LayerNorms) stay replicated on every rank like in DDP (16 bytes each everywhere);
 the default 0 partitions everything: keeping them persistent was not faster on CPU/gloo (small
-preset, 2 ranks, alternating runs: 716/885/437/379 tok/s with 1024 vs 807/907/509/382 with 0).
+preset, 2 ranks, 30 steps, alternating runs: 1787/1717 tok/s with 1024 vs 1826/1750 with 0).
 
   forward:  before each module runs, every tensor it needs is broadcast from its owner into a buffer
-            (4 bytes x numel, owner -> all); the next module's broadcasts are already in flight
-            (--prefetch); after the module, non-owners free the buffers.
+            (4 bytes x numel, owner -> all; one message per owner of the module's tensors); the next
+            module's broadcasts are already in flight (--prefetch); after the module, non-owners free
+            the buffers, unless the tensor is used again soon (--max_reuse_distance: the tied wte).
   backward: the same, in reverse: the buffers are fetched again before a module's backward and freed
             after it. Each gradient goes to its owner with an async dist.reduce as soon as autograd
             has accumulated it; non-owners free it once the reduce is done; the owner divides by N.
@@ -21,8 +22,9 @@ preset, 2 ranks, alternating runs: 716/885/437/379 tok/s with 1024 vs 807/907/50
 
 Communication per micro-step: 2 broadcasts + 1 reduce of every partitioned tensor (4 bytes x numel
 each), except the position embedding: a lookup's backward reads no weight, so wpe is broadcast once.
-The tied wte/lm_head is one tensor, broadcast for the embedding and again for the head (whose
-backward reuses that buffer), and reduced once with the sum of both uses. Persistent tensors'
+The tied wte/lm_head is one tensor, broadcast for the embedding and kept for the head (whose backward
+reuses the buffer; with --max_reuse_distance 0, broadcast again for the head), and reduced once with
+the sum of both uses. Persistent tensors'
 gradients accumulate locally and are all-reduced once per optimizer step.
 Gradient accumulation: partitioned gradients are reduced to the owner on EVERY micro-step (the owner
 accumulates; a non-owner would otherwise have to keep a full gradient, 4P bytes, between micro-steps).
@@ -37,6 +39,7 @@ PyTorch has no whole-tensor ZeRO-3; --implementation pytorch runs its own ZeRO-3
 (torch.distributed.fsdp.fully_shard on every block and on the root: intra-tensor shards), in the same loop.
 """
 import os
+import statistics
 import time
 
 import torch
@@ -102,17 +105,35 @@ class Zero3:
     the same `fetched` bookkeeping, owner included. Call `finish_backward()` after every backward;
     set `sync_persistent = False` before the micro-steps that only accumulate (all but the last)."""
 
-    def __init__(self, model, owner, rank, world_size, prefetch=True):
+    def __init__(self, model, owner, rank, world_size, prefetch=True, max_reuse_distance=0):
         self.rank, self.world_size, self.prefetch = rank, world_size, prefetch
         self.owner = {p: owner[n] for n, p in model.named_parameters()}  # parameter -> rank or None
         self.units = [model.transformer.wte, model.transformer.wpe, *model.transformer.h,
                       model.transformer.ln_f, model.lm_head]
-        self.unit_params = [[p for p in u.parameters() if self.owner[p] is not None] for u in self.units]
+        # One broadcast per (module, owner): that owner's tensors of the module are views of one flat
+        # buffer, so a block costs one message per owner, not one per tensor (gloo, 2 ranks: a block's 12
+        # tensors one by one took 3.3 ms, the same 1.2 MB in one message 0.5 ms).
+        self.buffers, self.unit_buffers = [], []  # [(flat buffer, owner)]; per module: indices into it
+        for unit in self.units:
+            by_owner = {}
+            for p in unit.parameters():
+                if self.owner[p] is not None:
+                    by_owner.setdefault(self.owner[p], []).append(p)
+            self.unit_buffers.append([self._buffer(ps, r) for r, ps in sorted(by_owner.items())])
+        # DeepSpeed's stage3_max_reuse_distance: after a module's forward, a buffer that a later module
+        # uses again within this many fetched elements stays (the tied wte, from the embedding to the
+        # head: 1 broadcast per micro-step instead of 2, for holding 4 x 50304 x C bytes meanwhile).
+        sizes = [sum(self.buffers[b][0].numel() for b in bs) for bs in self.unit_buffers]
+        self.keep = [set() for _ in self.units]  # per module: the buffers its forward does not free
+        for i, j in ((i, j) for i in range(len(self.units)) for j in range(i + 1, len(self.units))):
+            if sum(sizes[i + 1:j]) <= max_reuse_distance:
+                self.keep[i] |= set(self.unit_buffers[i]) & set(self.unit_buffers[j])
         # an embedding lookup's backward reads no weight: only the others are fetched again for backward
         self.backward_order = [i for i in reversed(range(len(self.units))) if not isinstance(self.units[i], nn.Embedding)]
-        self.fetched = {}   # parameter -> in-flight broadcast work, or None once it has arrived
+        self.fetched = {}   # buffer index -> in-flight broadcast work, or None once it has arrived
         self.reduces = []   # (parameter, in-flight reduce / all-reduce work)
         self.sync_persistent = True
+        self.wait_s = {"broadcast": 0.0, "reduce": 0.0}  # exposed communication (what overlap did not hide)
         for i, unit in enumerate(self.units):
             unit.register_forward_pre_hook(lambda m, inputs, i=i: self._before_forward(i))
             unit.register_forward_hook(lambda m, inputs, out, i=i: self._after_forward(i))
@@ -122,30 +143,53 @@ class Zero3:
         for p in self.owner:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
+    def _buffer(self, params, owner):
+        """Index of the flat buffer holding `params` (owned by `owner`); the parameters become views of it."""
+        for b, (flat, _) in enumerate(self.buffers):
+            if flat is params[0]:  # the tied wte: one buffer for both its modules
+                return b
+        if len(params) == 1:
+            flat = params[0]  # a lone tensor is its own buffer
+        else:
+            flat = (torch.cat([p.detach().flatten() for p in params]) if owner == self.rank
+                    else torch.empty(sum(p.numel() for p in params), device=params[0].device))
+            offset = 0
+            for p in params:
+                p.data = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+            if owner != self.rank:
+                flat.untyped_storage().resize_(0)
+        self.buffers.append((flat, owner))
+        return len(self.buffers) - 1
+
     def _fetch(self, i):
-        for p in self.unit_params[i]:
-            if p in self.fetched:  # already here or on its way (prefetched)
+        for b in self.unit_buffers[i]:
+            if b in self.fetched:  # already here or on its way (prefetched)
                 continue
-            if self.owner[p] != self.rank:
-                p.untyped_storage().resize_(p.numel() * p.element_size())  # the buffer
-            # The owner sends its whole tensor (numel x 4 bytes in fp32) to every other rank; after the
-            # wait all ranks hold the owner's exact values. Async, so it overlaps the running module.
-            # p.data, not p: the broadcast writes in place without bumping p's autograd version
-            # counter, which the tensors saved for backward check.
-            self.fetched[p] = dist.broadcast(p.data, src=self.owner[p], async_op=True)
+            flat, owner = self.buffers[b]
+            if owner != self.rank:
+                flat.untyped_storage().resize_(flat.numel() * flat.element_size())  # the buffer
+            # The owner sends its tensors (numel x 4 bytes in fp32) to every other rank; after the wait
+            # all ranks hold the owner's exact values. Async, so it overlaps the running module.
+            # .data: the broadcast writes in place without bumping the parameters' autograd version
+            # counters, which the tensors saved for backward check.
+            self.fetched[b] = dist.broadcast(flat.data, src=owner, async_op=True)
 
     def _wait(self, i):
-        for p in self.unit_params[i]:
-            if self.fetched[p] is not None:
-                self.fetched[p].wait()
-                self.fetched[p] = None
+        t0 = time.perf_counter()
+        for b in self.unit_buffers[i]:
+            if self.fetched[b] is not None:
+                self.fetched[b].wait()
+                self.fetched[b] = None
+        self.wait_s["broadcast"] += time.perf_counter() - t0
 
-    def _free(self, i):
-        for p in self.unit_params[i]:
-            if self.fetched.pop(p, None) is not None:
+    def _free(self, i, keep=()):
+        for b in (b for b in self.unit_buffers[i] if b not in keep):
+            if self.fetched.pop(b, None) is not None:
                 raise RuntimeError("freeing a tensor whose broadcast is still in flight")
-            if self.owner[p] != self.rank:
-                p.untyped_storage().resize_(0)  # shape kept; the bytes go back to the allocator
+            flat, owner = self.buffers[b]
+            if owner != self.rank:
+                flat.untyped_storage().resize_(0)  # shapes kept; the bytes go back to the allocator
 
     def _before_forward(self, i):
         self._fetch(i)
@@ -156,7 +200,7 @@ class Zero3:
     def _after_forward(self, i):
         # The head's backward comes right after the loss: keep its buffer (the tied wte) until then.
         if not (torch.is_grad_enabled() and i == len(self.units) - 1):
-            self._free(i)
+            self._free(i, self.keep[i])
 
     def _before_backward(self, i):
         self._fetch(i)
@@ -193,7 +237,9 @@ class Zero3:
 
     def finish_backward(self):
         """Wait for the gradient reduces; afterwards no rank holds a non-owned parameter or gradient."""
+        t0 = time.perf_counter()
         self._release_reduced(wait=True)
+        self.wait_s["reduce"] += time.perf_counter() - t0
         assert not self.fetched, "a fetched tensor was not freed"
 
     def owned(self):
@@ -234,6 +280,8 @@ def add_zero3_flags(group):
     group.add_argument("--persistence_threshold", type=int, default=0,  # measured: see the docstring
                        help="tensors with fewer elements stay replicated on every rank (0: partition all)")
     add_bool(group, "--prefetch", True, "broadcast the next module's tensors while the current one computes")
+    group.add_argument("--max_reuse_distance", type=int, default=10**9,  # DeepSpeed's default
+                       help="keep a fetched tensor whose next use comes within this many fetched elements (0: always free)")
 
 
 def local(t):
@@ -250,8 +298,9 @@ def held_bytes(tensors):
 
 def main(argv=None):
     args = parse_args("zero3", add_zero3_flags, argv)
-    if args.persistence_threshold < 0:
-        die(f"--persistence_threshold: must be >= 0, got {args.persistence_threshold}")
+    for flag in ("persistence_threshold", "max_reuse_distance"):
+        if getattr(args, flag) < 0:
+            die(f"--{flag}: must be >= 0, got {getattr(args, flag)}")
     check_batch_split(args, int(os.environ.get("WORLD_SIZE", 1)))
     rank, world_size, device = setup(args)
     setup_data(args)
@@ -269,7 +318,7 @@ def main(argv=None):
         owner, load = partition([(n, p.shape) for n, p in model.named_parameters()], world_size,
                                 args.persistence_threshold)
         materialize_owned_(model, owner, rank, value_of, device)
-        zero3 = Zero3(model, owner, rank, world_size, args.prefetch)
+        zero3 = Zero3(model, owner, rank, world_size, args.prefetch, args.max_reuse_distance)
         optimizer = configure_optimizer([(n, p) for n, p in model.named_parameters() if owner[n] in (None, rank)],
                                         args.weight_decay, args.learning_rate, (args.beta1, args.beta2))
     else:  # FSDP2: every block and the root become groups of per-tensor Shard(0) DTensors
@@ -327,10 +376,13 @@ def main(argv=None):
         return sum(((g.float() * g.float()).sum() for g in tensors), torch.zeros((), device=device))
 
     # ---- training loop -------------------------------------------------------------------
+    timings = []  # per step, ms: exposed broadcast wait, exposed reduce wait, optimizer (for the bench)
     for step in range(start, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
             metrics.eval(step, evaluate())
         t0 = time.perf_counter()
+        if zero3 is not None:
+            zero3.wait_s = {"broadcast": 0.0, "reduce": 0.0}
         lr = get_lr(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -364,7 +416,10 @@ def main(argv=None):
             clip = (args.grad_clip / (norm + 1e-6)).clamp(max=1.0)
             for g in sharded + replicated:
                 g.mul_(clip)
+        t_opt = time.perf_counter()
         optimizer.step()  # AdamW over the owned tensors only
+        if zero3 is not None:
+            timings.append([1000 * zero3.wait_s["broadcast"], 1000 * zero3.wait_s["reduce"], 1000 * (time.perf_counter() - t_opt)])
         optimizer.zero_grad(set_to_none=False)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -379,8 +434,13 @@ def main(argv=None):
     state_bytes = (held_bytes(model.parameters()) + held_bytes(p.grad for p in model.parameters())
                    + held_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)))
     per_rank = [None] * world_size
-    dist.all_gather_object(per_rank, (state_bytes, peak_mem_bytes(device)))
-    metrics.summary([s for s, _ in per_rank], [m for _, m in per_rank])
+    medians = [statistics.median(column) for column in zip(*timings)] if timings else None
+    dist.all_gather_object(per_rank, (state_bytes, peak_mem_bytes(device), medians))
+    extra = {}
+    if medians:  # where the step's time goes, per rank: the owner of the big tensors waits and works most
+        for k, key in enumerate(["broadcast_wait_ms", "reduce_wait_ms", "optimizer_ms"]):
+            extra[key + "_per_rank"] = [round(r[2][k], 2) for r in per_rank]
+    metrics.summary([r[0] for r in per_rank], [r[1] for r in per_rank], **extra)
     metrics.close()
     dist.destroy_process_group()
 

@@ -104,7 +104,12 @@ EXTRA_KEYS = {  # summary key -> (column, format)
     "saved_activation_bytes_per_rank": ("activations MiB/rank", lambda v: mib(max(v))),
     "bubble_measured": ("bubble", lambda v: f"{v:.1%}"),
     "bubble_theory": ("theory", lambda v: f"{v:.1%}"),
+    "bubble_for_stage_times": ("for these stage times", lambda v: f"{v:.1%}"),
     "peak_activation_bytes_per_rank": ("peak act. MiB/rank", lambda v: f"{max(v) / 2**20:.1f}"),
+    "compute_ms_per_rank": ("F+B ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
+    "broadcast_wait_ms_per_rank": ("broadcast wait ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
+    "reduce_wait_ms_per_rank": ("reduce wait ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
+    "optimizer_ms_per_rank": ("AdamW ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
 }
 
 

@@ -174,6 +174,9 @@ def test_timeline_bubble_and_checkpoint_equal_the_reference(tmp_path):
     assert re.search(r"bubble: measured \d+\.\d% .* theory 20\.0%", out)
     summary = read_metrics(tmp_path / "pp")[-1]
     assert summary["peak_live_microbatches_per_rank"] == [4, 4] and 0 <= summary["bubble_measured"] < 1
+    # the theory again, for the measured (unequal) stage times: both ranks computed, and it is a fraction
+    assert re.search(r"measured F\+B ms per step and rank: \[\d+, \d+\], for which .* gives \d+\.\d%", out)
+    assert all(ms > 0 for ms in summary["compute_ms_per_rank"]) and 0 <= summary["bubble_for_stage_times"] < 1
 
     result = launch("ddp_train.py", None, flags + ["--out_dir", str(tmp_path / "ref")])
     assert result.returncode == 0, result.stderr[-3000:]

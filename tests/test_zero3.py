@@ -22,11 +22,11 @@ def _shapes(config):
     return [(n, p.shape) for n, p in GPT(config, device="meta").named_parameters()]
 
 
-def _build(rank, world_size, config, threshold, prefetch=True):
+def _build(rank, world_size, config, threshold, prefetch=True, reuse=0):
     model = GPT(config, device="meta")
     owner, _ = partition([(n, p.shape) for n, p in model.named_parameters()], world_size, threshold)
     materialize_owned_(model, owner, rank, lambda n, s: init_tensor(n, s, config, 0), torch.device("cpu"))
-    return model, Zero3(model, owner, rank, world_size, prefetch)
+    return model, Zero3(model, owner, rank, world_size, prefetch, reuse)
 
 
 def _rows(rank, world_size, config, batch=8, step=0):
@@ -81,12 +81,14 @@ def test_partition_worked_by_hand():
 
 # ---- every distributed check runs in one pair of spawned gloo ranks (starting them is the slow part)
 
-COMMUNICATION_CASES = [(0, 1), (SMALL_TENSORS, 1), (SMALL_TENSORS, 3)]
+KEEP = 10**9  # a --max_reuse_distance that keeps the tied wte from the embedding to the head
+COMMUNICATION_CASES = [(0, 1, 0), (0, 2, KEEP), (SMALL_TENSORS, 1, 0), (SMALL_TENSORS, 3, KEEP)]
+MEMORY_CASES = [(0, 0), (300, 0), (0, KEEP)]
 
 
 def _all_checks(rank, world_size):
     return {"gradients": [_gradients_vs_one_process(rank, world_size, *case) for case in GRADIENT_CASES],
-            "memory": {t: _memory_ledger(rank, world_size, t) for t in (0, 300)},
+            "memory": {case: _memory_ledger(rank, world_size, *case) for case in MEMORY_CASES},
             "communication": {case: _communication(rank, world_size, *case) for case in COMMUNICATION_CASES},
             "checkpoint": _checkpoint(rank, world_size)}
 
@@ -98,8 +100,8 @@ def ranks():
 
 # ---- gradients: owners hold exactly the single-process gradient ------------------------------
 
-def _gradients_vs_one_process(rank, world_size, threshold, prefetch, accum):
-    model, zero3 = _build(rank, world_size, CONFIG, threshold, prefetch)
+def _gradients_vs_one_process(rank, world_size, threshold, prefetch, accum, reuse):
+    model, zero3 = _build(rank, world_size, CONFIG, threshold, prefetch, reuse)
     x, y = _rows(rank, world_size, CONFIG)
     _backward(model, zero3, x, y, accum, world_size)
     reference = GPT(CONFIG, seed=0)
@@ -114,11 +116,11 @@ def _gradients_vs_one_process(rank, world_size, threshold, prefetch, accum):
     return weights, grads, leftovers, len(zero3.owned())
 
 
-GRADIENT_CASES = [(0, True, 1), (SMALL_TENSORS, False, 2), (SMALL_TENSORS, True, 4),
-                  (1_000_000, True, 1)]  # only the embedding is partitioned: rank 1 owns nothing
+GRADIENT_CASES = [(0, True, 1, 0), (SMALL_TENSORS, False, 2, KEEP), (SMALL_TENSORS, True, 4, 0),
+                  (0, True, 2, KEEP), (1_000_000, True, 1, KEEP)]  # last: only wte partitioned, rank 1 owns nothing
 
 
-@pytest.mark.parametrize("case", range(len(GRADIENT_CASES)), ids=[f"threshold{t}-prefetch{p}-accum{a}" for t, p, a in GRADIENT_CASES])
+@pytest.mark.parametrize("case", range(len(GRADIENT_CASES)), ids=[f"threshold{t}-prefetch{p}-accum{a}-reuse{r}" for t, p, a, r in GRADIENT_CASES])
 def test_owned_gradients_equal_one_process(ranks, case):
     results = [r["gradients"][case] for r in ranks]
     for weights, grads, leftovers, _ in results:
@@ -131,13 +133,13 @@ def test_owned_gradients_equal_one_process(ranks, case):
 
 # ---- memory ledger ------------------------------------------------------------------------------
 
-def _memory_ledger(rank, world_size, threshold):
-    model, zero3 = _build(rank, world_size, BALANCED, threshold)
+def _memory_ledger(rank, world_size, threshold, reuse):
+    model, zero3 = _build(rank, world_size, BALANCED, threshold, reuse=reuse)
     nonowned = {p for p in zero3.owner if zero3.owner[p] not in (None, rank)}  # sets: tensors hash by identity
     held_at, expected_at = [], []
 
     def expect(units):  # the non-owned bytes of these units' tensors (a tensor in two units counts once)
-        return sum(p.numel() * 4 for p in {q for u in units for q in zero3.unit_params[u]} if p in nonowned)
+        return sum(p.numel() * 4 for p in {q for u in units for q in zero3.units[u].parameters()} if p in nonowned)
 
     def record(units):  # returns None: a pre-hook that returns something would replace the inputs
         held_at.append(held_bytes(nonowned))
@@ -145,7 +147,8 @@ def _memory_ledger(rank, world_size, threshold):
 
     n = len(zero3.units)
     for i, unit in enumerate(zero3.units):  # registered after Zero3's hooks: they see the fetched state
-        unit.register_forward_pre_hook(lambda m, a, units=[i] + ([i + 1] if i + 1 < n else []): record(units))
+        # forward: this module and the prefetched next one; when kept, the embedding's wte until the head
+        unit.register_forward_pre_hook(lambda m, a, units=[i] + ([i + 1] if i + 1 < n else []) + ([0] if reuse and i else []): record(units))
         if i in zero3.backward_order:
             k = zero3.backward_order.index(i)
             unit.register_full_backward_pre_hook(lambda m, g, units=[i] + zero3.backward_order[k + 1:k + 2]: record(units))
@@ -163,10 +166,10 @@ def _memory_ledger(rank, world_size, threshold):
     return held_at, expected_at, after_backward, state, partitioned, persistent, sum(p.numel() * 4 for p in nonowned)
 
 
-@pytest.mark.parametrize("threshold", [0, 300])
-def test_memory_ledger(ranks, threshold):
-    world_size = 2
-    for held_at, expected_at, after_backward, state, partitioned, persistent, nonowned in (r["memory"][threshold] for r in ranks):
+@pytest.mark.parametrize("case", MEMORY_CASES, ids=[f"threshold{t}-reuse{r}" for t, r in MEMORY_CASES])
+def test_memory_ledger(ranks, case):
+    world_size, threshold = 2, case[0]
+    for held_at, expected_at, after_backward, state, partitioned, persistent, nonowned in (r["memory"][case] for r in ranks):
         # params + grads + AdamW (exp_avg, exp_avg_sq): 16 bytes per owned element, within 10% of 16P/N,
         # plus 16 bytes per element of the persistent tensors that every rank keeps
         share = 16 * partitioned / world_size + 16 * persistent
@@ -181,8 +184,8 @@ def test_memory_ledger(ranks, threshold):
 
 # ---- communication ledger -------------------------------------------------------------------------
 
-def _communication(rank, world_size, threshold, accum):
-    model, zero3 = _build(rank, world_size, CONFIG, threshold)
+def _communication(rank, world_size, threshold, accum, reuse):
+    model, zero3 = _build(rank, world_size, CONFIG, threshold, reuse=reuse)
     sent = {"broadcast": [], "reduce": [], "all_reduce": []}
     originals = {name: getattr(dist, name) for name in sent}
 
@@ -202,25 +205,32 @@ def _communication(rank, world_size, threshold, accum):
             setattr(dist, name, fn)
     sizes = {n: p.numel() * 4 for n, p in model.named_parameters()}
     owner = {n: zero3.owner[p] for n, p in model.named_parameters()}
-    return sent, sizes, owner
+    # per module (wte, wpe, blocks, ln_f, lm_head): the owners of its partitioned tensors
+    unit_owners = [{zero3.owner[p] for p in u.parameters()} - {None} for u in zero3.units]
+    return sent, sizes, owner, unit_owners
 
 
-@pytest.mark.parametrize("threshold,accum", COMMUNICATION_CASES)
-def test_communication_ledger(ranks, threshold, accum):
-    for sent, sizes, owner in (r["communication"][threshold, accum] for r in ranks):
+@pytest.mark.parametrize("threshold,accum,reuse", COMMUNICATION_CASES)
+def test_communication_ledger(ranks, threshold, accum, reuse):
+    for sent, sizes, owner, unit_owners in (r["communication"][threshold, accum, reuse] for r in ranks):
         partitioned = [n for n in sizes if owner[n] is not None]
         persistent = [n for n in sizes if owner[n] is None]
         # per micro-step: every partitioned tensor broadcast twice (forward, backward), except wpe, whose
-        # lookup backward reads no weight; the tied wte twice as one tensor (embedding, head)
-        twice = [n for n in partitioned if n != "transformer.wpe.weight"]
-        once = [n for n in partitioned if n == "transformer.wpe.weight"]
-        assert len(sent["broadcast"]) == accum * (2 * len(twice) + len(once))
+        # lookup backward reads no weight; the tied wte twice as one tensor (embedding, head), or once
+        # when kept from the embedding to the head (--max_reuse_distance)
+        once = ["transformer.wpe.weight"] + (["transformer.wte.weight"] if reuse else [])
+        twice = [n for n in partitioned if n not in once]
+        once = [n for n in partitioned if n in once]
         assert sum(sent["broadcast"]) == accum * (2 * sum(sizes[n] for n in twice) + sum(sizes[n] for n in once))
+        # in one message per (module, owner): forward every module, less the head's kept wte; backward the
+        # blocks and ln_f (the head's buffer stays from its forward, a lookup's backward needs no weight)
+        messages = sum(map(len, unit_owners)) - (1 if reuse else 0) + sum(map(len, unit_owners[2:-1]))
+        assert len(sent["broadcast"]) == accum * messages
         # one reduce of every partitioned gradient per micro-step (the tied one once), and one all-reduce
         # of every persistent gradient per optimizer step
         assert sorted(sent["reduce"]) == sorted(accum * [sizes[n] for n in partitioned])
         assert sorted(sent["all_reduce"]) == sorted(sizes[n] for n in persistent)
-        if threshold:
+        if threshold and not reuse:
             assert not once, "wpe is persistent here: exactly 2 broadcasts + 1 reduce of every partitioned tensor"
 
 
