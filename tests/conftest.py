@@ -1,11 +1,13 @@
 """Shared test plumbing: offline data, launching scripts under torchrun, spawning gloo ranks."""
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch.multiprocessing as mp
@@ -55,6 +57,21 @@ def launch(script, nproc, args, timeout=300):
     return subprocess.CompletedProcess(proc.args, proc.wait(), stdout, stderr)
 
 
+def the_one_error(script, nproc, args):
+    """Run a script on input it must refuse and return its error line, having checked the contract for
+    bad input: a non-zero exit within 30 s, exactly one line starting "error:", and no traceback from
+    the script or common/ (torchrun prints its own ChildFailedError summary)."""
+    start = time.time()
+    result = launch(script, nproc, args, timeout=60)
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0
+    assert len(errors) == 1, result.stderr[-2000:]
+    assert not re.search(rf'File ".*({re.escape(script)}|common/)', output), result.stderr[-2000:]
+    assert time.time() - start < 30
+    return errors[0]
+
+
 def read_metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -83,7 +100,7 @@ def _worker(rank, world_size, port, fn, args, queue):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         queue.put((rank, fn(rank, world_size, *args)))
-    except BaseException as e:  # report, so the test fails instead of hanging
+    except BaseException:  # report, so the test fails instead of hanging
         import traceback
         queue.put((rank, RuntimeError(f"rank {rank}: {traceback.format_exc()}")))
         raise

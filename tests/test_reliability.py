@@ -11,7 +11,6 @@
 - a sweep of bad flags over every script: non-zero exit, one error line, under 30 s.
 """
 import glob
-import json
 import os
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, TINY, free_port, launch, read_metrics, step_losses
+from conftest import REPO, TINY, free_port, launch, read_metrics, step_losses, the_one_error
 
 SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py"]
 STEPS, CUT = 10, 6
@@ -216,8 +215,8 @@ def test_two_nodes_on_loopback_equal_one_node(tmp_path):
 
 
 def test_identical_runs_give_identical_losses(tmp_path):
-    a = run("tp_train.py", 2, ["--max_iters", "5", "--dropout", "0.1"], tmp_path / "a")
-    b = run("tp_train.py", 2, ["--max_iters", "5", "--dropout", "0.1"], tmp_path / "b")
+    run("tp_train.py", 2, ["--max_iters", "5", "--dropout", "0.1"], tmp_path / "a")
+    run("tp_train.py", 2, ["--max_iters", "5", "--dropout", "0.1"], tmp_path / "b")
     assert step_losses(tmp_path / "a") == step_losses(tmp_path / "b")
 
 
@@ -276,10 +275,4 @@ BAD = [  # (script, flags, nproc, the flag the error must name)
 
 @pytest.mark.parametrize("script,flags,nproc,flag", BAD, ids=[f"{s[:-9]}{' '.join(f)}" for s, f, _, _ in BAD])
 def test_bad_input_sweep(script, flags, nproc, flag, tmp_path):
-    t0 = time.time()
-    result = launch(script, nproc, FLAGS + ["--max_iters", "3"] + flags + ["--out_dir", str(tmp_path)], timeout=60)
-    elapsed = time.time() - t0
-    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
-    assert result.returncode != 0 and elapsed < 30
-    assert len(errors) == 1 and flag in errors[0], result.stderr[-2000:]
-    assert f'{script}", line' not in result.stdout + result.stderr  # no traceback from the script (torchrun adds its own)
+    assert flag in the_one_error(script, nproc, FLAGS + ["--max_iters", "3"] + flags + ["--out_dir", str(tmp_path)])
