@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from common.checkpoint import optimizer_state_by_name, resume, save_checkpoint, set_adamw_state
 from common.config import check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import autocast, setup, setup_data
+from common.distributed import autocast, setup, setup_data, teardown
 from common.metrics import Metrics, optimizer_state_bytes, peak_mem_bytes, tensor_bytes
 from common.model import GPT, configure_optimizer, num_params
 
@@ -259,7 +259,6 @@ def main(argv=None):
     dist.all_gather_object(per_rank, (state_bytes, peak_mem_bytes(device)))
     metrics.summary([s for s, _ in per_rank], [m for _, m in per_rank])
     metrics.close()
-    dist.destroy_process_group()
 
 
 def checkpoint(model, optimizer, step, config, args):
@@ -272,3 +271,4 @@ def checkpoint(model, optimizer, step, config, args):
 
 if __name__ == "__main__":
     main()
+    teardown()  # after main() has returned and its objects are gone

@@ -43,7 +43,7 @@ from torch.distributed.tensor import distribute_tensor
 from common.checkpoint import resume, save_atomic, save_checkpoint, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import autocast, setup, setup_data
+from common.distributed import autocast, setup, setup_data, teardown
 from common.metrics import Metrics, peak_mem_bytes, tensor_bytes
 from common.model import GPT, configure_optimizer, init_tensor
 
@@ -395,7 +395,6 @@ def main(argv=None):
     extra = {"exposed_comm_ms": sorted(exposed_ms)[len(exposed_ms) // 2]} if exposed_ms else {}
     metrics.summary([s for s, _ in per_rank], [m for _, m in per_rank], **extra)
     metrics.close()
-    dist.destroy_process_group()
 
 
 def full_state(model, fsdp, optimizer, state_keys):
@@ -455,3 +454,4 @@ def load_sharded(fsdp, optimizer, path, world_size):
 
 if __name__ == "__main__":
     main()
+    teardown()  # after main() has returned and its objects are gone

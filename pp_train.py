@@ -40,7 +40,7 @@ from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 from common.checkpoint import resume, save_checkpoint, set_adamw_state
 from common.config import check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import autocast, setup, setup_data
+from common.distributed import autocast, setup, setup_data, teardown
 from common.metrics import Metrics, optimizer_state_bytes, peak_mem_bytes, tensor_bytes
 from common.model import GPT, configure_optimizer, init_tensor
 
@@ -379,7 +379,6 @@ def main(argv=None):
                      compute_ms_per_rank=[round(b, 1) for b in busy])
     metrics.summary([r[0] for r in per_rank], [r[1] for r in per_rank], **extra)
     metrics.close()
-    dist.destroy_process_group()
 
 
 def checkpoint(chunks, optimizer, step, config, args, rank):
@@ -403,3 +402,4 @@ def checkpoint(chunks, optimizer, step, config, args, rank):
 
 if __name__ == "__main__":
     main()
+    teardown()  # after main() has returned and its objects are gone

@@ -53,7 +53,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 from common.checkpoint import resume, save_checkpoint, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import autocast, setup, setup_data
+from common.distributed import autocast, setup, setup_data, teardown
 from common.metrics import Metrics, SavedActivations, peak_mem_bytes, tensor_bytes
 from common.model import GPT, LayerNorm, configure_optimizer, init_tensor
 from ddp_train import GradientBuckets
@@ -572,7 +572,6 @@ def main(argv=None):
     metrics.summary([r[0] for r in per_rank], [r[1] for r in per_rank],
                     saved_activation_bytes_per_rank=[r[2] for r in per_rank])
     metrics.close()
-    dist.destroy_process_group()
 
 
 def checkpoint(named, optimizer, step, config, args, tp_group):
@@ -595,3 +594,4 @@ def checkpoint(named, optimizer, step, config, args, tp_group):
 
 if __name__ == "__main__":
     main()
+    teardown()  # after main() has returned and its objects are gone

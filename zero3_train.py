@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from common.checkpoint import resume, save_checkpoint, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import autocast, setup, setup_data
+from common.distributed import autocast, setup, setup_data, teardown
 from common.metrics import Metrics, peak_mem_bytes
 from common.model import GPT, configure_optimizer, init_tensor, num_params
 
@@ -442,7 +442,6 @@ def main(argv=None):
             extra[key + "_per_rank"] = [round(r[2][k], 2) for r in per_rank]
     metrics.summary([r[0] for r in per_rank], [r[1] for r in per_rank], **extra)
     metrics.close()
-    dist.destroy_process_group()
 
 
 def checkpoint(model, optimizer, zero3, step, config, args):
@@ -458,3 +457,4 @@ def checkpoint(model, optimizer, zero3, step, config, args):
 
 if __name__ == "__main__":
     main()
+    teardown()  # after main() has returned and its objects are gone

@@ -84,7 +84,6 @@ def resume(args):
         verdict[0] = _check(path, args)
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
-        dist.destroy_process_group()
         die(verdict[0])
     ckpt, _ = read(path)
     rng = ckpt.get("rng")

@@ -10,6 +10,8 @@ import math
 import os
 import sys
 
+import torch.distributed as dist
+
 from common.model import PRESETS, GPTConfig
 from common.data import GPT2_VOCAB
 
@@ -20,9 +22,12 @@ def is_rank0():
 
 def die(message):
     """One clear error line from rank 0, a non-zero exit on every rank. Call it on all ranks
-    (checks are deterministic), so no rank is left waiting in a collective."""
+    (checks are deterministic), so no rank is left waiting in a collective; the process group, if
+    there is one yet, is destroyed before the exit (see common.distributed.teardown)."""
     if is_rank0():
         print(f"error: {message}", file=sys.stderr, flush=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     sys.exit(2)
 
 

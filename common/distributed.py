@@ -4,13 +4,21 @@ Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK in the environment) it joins the job;
 `python script.py` it makes a one-rank group in memory, so every script runs the same code path
 and `python <script>.py` is the single-process reference.
 """
-import atexit
+import functools
 import gc
 import os
+import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+# These two modules bind `group=dist.group.WORLD` as a default argument when they are first imported.
+# Imported after init_process_group (torch imports them lazily: the first normal_ on the meta device
+# imports torch._dynamo, which imports them), they would hold the default group forever, so
+# destroy_process_group() could not free it and its gloo threads would live on into interpreter
+# shutdown (see teardown). Imported here, before any group exists, their default is None.
+import torch.distributed.nn.functional  # noqa: F401
+import torch.distributed._shard.sharding_spec.chunk_sharding_spec_ops._common  # noqa: F401
 
 from common import data
 from common.config import die
@@ -52,12 +60,50 @@ def setup(args):
                                 device_id=device if use_cuda else None)
     else:  # single process: a one-rank group in memory, no port needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    # FSDP2/DTensor modules sit in reference cycles that hold gloo work objects; if they are first
-    # freed during interpreter shutdown, a gloo thread is destroyed unjoined and the rank aborts
-    # ("terminate called without an active exception", 3 in 10 runs at 4 ranks here). Collecting
-    # them at exit, while the interpreter is still whole, makes teardown clean.
-    atexit.register(gc.collect)
     return rank, world_size, device
+
+
+def teardown():
+    """Ends every run: call it after main() has returned, so that main's models, buckets and hooks are gone.
+
+    Why: a gloo process group runs worker threads (pt_gloo_runloop) and a socket loop (gloo_tcp_loop)
+    for as long as the group object lives. destroy_process_group() drops only torch's own references;
+    a group still held elsewhere is freed during interpreter shutdown, its threads still running. A
+    worker that then frees a finished collective's tensors must take the GIL, and a finalizing
+    interpreter ends that thread with pthread_exit, whose unwinding through C++ calls std::terminate:
+    "terminate called without an active exception", SIGABRT (exit -6) after the run did all its work,
+    about once in 100 launches under load here. What held groups past destroy: default arguments
+    bound at import (see the imports at the top), reference cycles of FSDP2/DTensor modules, and
+    DTensor's caches of DeviceMesh objects. So, in order: free the cycles, clear those caches, destroy
+    every group, and check that no backend thread is left (a warning names the leak: tests fail on it)."""
+    gc.collect()
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import _redistribute, debug
+        _redistribute.clear_redistribute_planner_cache()
+        debug._clear_sharding_prop_cache()
+        for cache in [o for o in gc.get_objects() if isinstance(o, functools._lru_cache_wrapper)]:
+            if getattr(cache, "__module__", "").startswith("torch.distributed"):  # e.g. MeshTopoInfo.build_from_mesh
+                cache.cache_clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    alive = backend_threads()
+    if alive:
+        print(f"warning: teardown: {len(alive)} communication thread(s) ({', '.join(sorted(set(alive)))}) still "
+              "running after destroy_process_group(): something still references a process group",
+              file=sys.stderr, flush=True)
+
+
+def backend_threads():
+    """Names of this process's gloo/NCCL backend threads (Linux; [] where /proc is missing)."""
+    names = []
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+    except OSError:
+        return []
+    return [n for n in names if n.startswith(("pt_gloo", "gloo", "pt_nccl"))]
 
 
 def setup_data(args):
@@ -71,7 +117,6 @@ def setup_data(args):
             verdict[0] = f"--dataset {args.dataset}: preparing the data failed: {type(e).__name__}: {e}"
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
-        dist.destroy_process_group()
         die(verdict[0])
 
 
