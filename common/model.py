@@ -92,6 +92,12 @@ class Block(nn.Module):
         return x
 
 
+def _embedding(num, dim):
+    """nn.Embedding without its default init (a normal_ on the meta device imports torch._dynamo,
+    about 1.5 s per process); materialize_ gives it its value."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 class GPT(nn.Module):
     """`GPT(config, seed=s)` builds and initialises the model on `device`;
     `device="meta"` builds it without storage, to be materialised piece by piece."""
@@ -101,8 +107,8 @@ class GPT(nn.Module):
         self.config = config
         with torch.device("meta"):  # no storage, no wasted default init
             self.transformer = nn.ModuleDict(dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
+                wte=_embedding(config.vocab_size, config.n_embd),
+                wpe=_embedding(config.block_size, config.n_embd),
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
                 ln_f=LayerNorm(config.n_embd, bias=config.bias),

@@ -1,4 +1,5 @@
-"""ddp_train.py: buckets, overlap bookkeeping, no_sync, equality with torch DDP, bad input."""
+"""ddp_train.py: buckets, overlap bookkeeping, no_sync, equality with torch DDP, the single-process contract.
+(Bad input for every script: tests/test_reliability.py.)"""
 from contextlib import nullcontext
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from conftest import TINY, launch, read_metrics, spawn, the_one_error
+from conftest import TINY, launch, read_metrics, spawn
 from common.data import get_batch
 from common.model import GPT, GPTConfig
 from ddp_train import GradientBuckets
@@ -160,27 +161,6 @@ def test_bucket_layout_for_a_cap():
     assert sizes == [64 + 12704 + 32, 12704 - 32, 16 * 32, 50304 * 32]
     assert len(GradientBuckets(GPT(CONFIG, seed=0), 1e-9).buckets) == len(params)
     assert len(GradientBuckets(GPT(CONFIG, seed=0), 1000).buckets) == 1
-
-
-# ---- bad input: one error line from rank 0 naming the flag, non-zero exit, no hang ------------
-
-BAD_INPUT = [
-    (None, ["--no_such_flag"], "--no_such_flag"),
-    (None, ["--n_layer", "0"], "--n_layer"),
-    (None, ["--learning_rate", "-1"], "--learning_rate"),
-    (None, ["--max_iters", "0"], "--max_iters"),
-    (None, ["--n_embd", "100", "--n_head", "3"], "--n_head"),
-    (None, ["--implementation", "jax"], "--implementation"),
-    (None, ["--dataset", "no_such_dataset"], "--dataset"),
-    (2, ["--batch_size", "6", "--grad_accum_steps", "2"], "--batch_size"),
-    (2, ["--block_size", "400000"], "--block_size"),
-    (2, ["--dataset", "no_such_dataset"], "--dataset"),
-]
-
-
-@pytest.mark.parametrize("nproc,flags,named", BAD_INPUT, ids=[" ".join(f) + f"-{n or 1}r" for n, f, _ in BAD_INPUT])
-def test_bad_input(nproc, flags, named, tmp_path):
-    assert named in the_one_error("ddp_train.py", nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags)
 
 
 def test_single_process_run_writes_the_contract(tmp_path):
