@@ -20,6 +20,7 @@ Run:
 """
 import os
 import time
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -82,8 +83,12 @@ class GradientBuckets:
         groups.append(current)
         self.buckets = [Bucket(g) for g in groups]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        # The hook holds the buckets weakly: a parameter keeps its hooks in C++, out of sight of Python's
+        # garbage collector, so param -> hook -> buckets -> param would be a cycle never freed, keeping
+        # the buckets' process group (tp_train.py's DP group) alive past teardown().
+        buckets = weakref.ref(self)
         for p in params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+            p.register_post_accumulate_grad_hook(lambda p: buckets()._grad_ready(p))
         self.embedding, self.gathers = embedding, None
         if embedding is not None:
             embedding.register_forward_hook(self._detach_lookup)

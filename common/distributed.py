@@ -81,7 +81,7 @@ def teardown():
         from torch.distributed.tensor import _redistribute, debug
         _redistribute.clear_redistribute_planner_cache()
         debug._clear_sharding_prop_cache()
-        for cache in [o for o in gc.get_objects() if isinstance(o, functools._lru_cache_wrapper)]:
+        for cache in [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]:
             if getattr(cache, "__module__", "").startswith("torch.distributed"):  # e.g. MeshTopoInfo.build_from_mesh
                 cache.cache_clear()
     if dist.is_initialized():

@@ -91,6 +91,29 @@ def run_losses(script, nproc, args, out_dir):
     return step_losses(out_dir)
 
 
+# The parity config (tests/test_parity.py), shared with the resume tests so that they can reuse its runs.
+PARITY_STEPS = 15
+PARITY = TINY + ["--learning_rate", "1e-3", "--min_lr", "1e-4", "--warmup_iters", "5", "--seed", "1337"]
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """shared_run(script, nproc, args) -> (out_dir, result): each distinct (script, nproc, args) runs once
+    per session and every test that needs it (a reference, a parity row, the uninterrupted run a
+    resume is compared with) reads the same out_dir. Each torchrun launch costs seconds of start-up."""
+    runs = {}
+
+    def get(script, nproc, args):
+        key = (script, nproc, tuple(args))
+        if key not in runs:
+            out_dir = tmp_path_factory.mktemp("run")
+            result = launch(script, nproc, list(args) + ["--out_dir", str(out_dir)])
+            assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            runs[key] = out_dir, result
+        return runs[key]
+    return get
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -26,9 +26,11 @@ from conftest import TINY, launch  # noqa: E402  (sets up the offline data and t
 SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py"]
 
 
-def busy():
-    while True:
-        pass
+def busy(parent):
+    """Keep a core busy while the harness lives (it ends by itself if the harness is killed)."""
+    while os.getppid() == parent:
+        for _ in range(1_000_000):
+            pass
 
 
 def main():
@@ -44,7 +46,7 @@ def main():
     os.makedirs(out, exist_ok=True)
     loader = None
     if not args.no_load:
-        loader = mp.get_context("spawn").Process(target=busy, daemon=True)
+        loader = mp.get_context("spawn").Process(target=busy, args=(os.getpid(),), daemon=True)
         loader.start()
     # One cycle: for each script and implementation, a fresh 2-step run, then --resume to 3 steps.
     cycle = [(s, impl, mode) for s in args.scripts for impl in ("custom", "pytorch") for mode in ("fresh", "resume")]

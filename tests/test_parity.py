@@ -14,13 +14,12 @@ import os
 import pytest
 import torch
 
-from conftest import REPO, TINY, run_losses
+from conftest import PARITY, PARITY_STEPS, REPO, step_losses
 from common.data import get_batch
 from common.model import GPT, GPTConfig
 
-STEPS = 15
-FLAGS = TINY + ["--max_iters", str(STEPS), "--learning_rate", "1e-3", "--min_lr", "1e-4", "--warmup_iters", "5",
-                "--seed", "1337"]
+STEPS = PARITY_STEPS
+FLAGS = PARITY + ["--max_iters", str(STEPS)]  # TINY, lr 1e-3 -> 1e-4, 5 warmup steps, seed 1337 (conftest)
 TOL = 1e-5  # fp32 on CPU; the largest |dloss| measured here is printed by each row
 
 # One row per (script, implementation, ranks, extra flags). Later strategies add their rows here.
@@ -104,14 +103,14 @@ def model_flags(extra):
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
+def references(shared_run):
     """(reference, plain) losses per distinct model_flags(extra), computed once."""
     cache = {}
 
     def get(extra=()):
         key = model_flags(extra)
         if key not in cache:
-            ref = run_losses("ddp_train.py", None, FLAGS + list(key), tmp_path_factory.mktemp("reference"))
+            ref = step_losses(shared_run("ddp_train.py", None, FLAGS + list(key))[0])
             sizes = {flag[2:]: int(value) for flag, value in zip(key[::2], key[1::2])}
             cache[key] = ref, plain_pytorch_losses(**sizes)
         return cache[key]
@@ -137,9 +136,9 @@ def test_reference_equals_plain_pytorch(references):
 @pytest.mark.parametrize("script,implementation,nproc,extra", STRATEGIES,
                          ids=[f"{s[:-9]}-{i}-{n}r{'-' + '-'.join(e).replace('--', '') if e else ''}"
                               for s, i, n, e in STRATEGIES])
-def test_parity(script, implementation, nproc, extra, references, tmp_path):
+def test_parity(script, implementation, nproc, extra, references, shared_run):
     reference, plain = references(extra)
-    losses = run_losses(script, nproc, FLAGS + ["--implementation", implementation] + extra, tmp_path)
+    losses = step_losses(shared_run(script, nproc, FLAGS + ["--implementation", implementation] + extra)[0])
     assert len(losses) == STEPS
     vs_reference = max(abs(a - b) for a, b in zip(losses, reference))
     vs_plain = max(abs(a - b) for a, b in zip(losses, plain))

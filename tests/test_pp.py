@@ -163,7 +163,7 @@ def test_four_stages_1f1b():
 
 # ---- the script end to end ----------------------------------------------------------------
 
-def test_timeline_bubble_and_checkpoint_equal_the_reference(tmp_path):
+def test_timeline_bubble_and_checkpoint_equal_the_reference(shared_run, tmp_path):
     flags = TINY + ["--max_iters", "3", "--checkpoint_interval", "2"]
     result = launch("pp_train.py", 2, flags + ["--schedule", "gpipe", "--print_schedule", "--out_dir", str(tmp_path / "pp")])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -177,10 +177,8 @@ def test_timeline_bubble_and_checkpoint_equal_the_reference(tmp_path):
     assert re.search(r"measured F\+B ms per step and rank: \[\d+, \d+\], for which .* gives \d+\.\d%", out)
     assert all(ms > 0 for ms in summary["compute_ms_per_rank"]) and 0 <= summary["bubble_for_stage_times"] < 1
 
-    result = launch("ddp_train.py", None, flags + ["--out_dir", str(tmp_path / "ref")])
-    assert result.returncode == 0, result.stderr[-3000:]
     ckpt = torch.load(tmp_path / "pp" / "ckpt.pt", weights_only=False)
-    ref = torch.load(tmp_path / "ref" / "ckpt.pt", weights_only=False)
+    ref = torch.load(shared_run("ddp_train.py", None, TINY + ["--max_iters", "3"])[0] / "ckpt.pt", weights_only=False)
     assert ckpt["step"] == 3 and ckpt["config"] == ref["config"]
     assert list(ckpt["model"]) == list(ref["model"])  # GPT's keys, both tied ones, in order
     for k, v in ref["model"].items():

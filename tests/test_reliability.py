@@ -20,13 +20,14 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, TINY, free_port, launch, read_metrics, step_losses, the_one_error
+from conftest import PARITY, PARITY_STEPS, REPO, free_port, launch, read_metrics, step_losses, the_one_error
 
 SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py"]
-STEPS, CUT = 10, 6
-# --lr_decay_iters pins the schedule, so a run with fewer --max_iters is a prefix of the longer one.
-FLAGS = TINY + ["--learning_rate", "1e-3", "--min_lr", "1e-4", "--warmup_iters", "3", "--lr_decay_iters", str(STEPS),
-                "--seed", "1337"]
+# The parity config (so that the uninterrupted runs and the reference are test_parity.py's own runs,
+# shared through the shared_run fixture). --lr_decay_iters pins the schedule, so a run with fewer
+# --max_iters is a prefix of the longer one.
+STEPS, CUT = PARITY_STEPS, 6
+FLAGS = PARITY + ["--lr_decay_iters", str(STEPS)]
 TOL = 1e-5  # the parity tolerance (tests/test_parity.py)
 
 
@@ -41,11 +42,15 @@ def by_step(out_dir):
     return {r["step"]: r["loss"] for r in read_metrics(out_dir) if "loss" in r}
 
 
+def uninterrupted(shared_run, script, nproc, implementation="custom"):
+    """The losses of test_parity.py's run of this script (the same flags, so the same run)."""
+    args = PARITY + ["--max_iters", str(STEPS)] + ([] if nproc is None else ["--implementation", implementation])
+    return step_losses(shared_run(script, nproc, args)[0])
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    run("ddp_train.py", None, ["--max_iters", str(STEPS)], out)
-    return by_step(out)
+def reference(shared_run):
+    return uninterrupted(shared_run, "ddp_train.py", None)
 
 
 def _cut_and_resume(script, implementation, out):
@@ -62,9 +67,8 @@ def _cut_and_resume(script, implementation, out):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_resume_is_bit_identical(script, tmp_path):
-    run(script, 2, ["--max_iters", str(STEPS)], tmp_path / "whole")
-    assert _cut_and_resume(script, "custom", tmp_path / "part") == step_losses(tmp_path / "whole")
+def test_resume_is_bit_identical(script, shared_run, tmp_path):
+    assert _cut_and_resume(script, "custom", tmp_path) == uninterrupted(shared_run, script, 2)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -190,15 +194,13 @@ def test_a_hung_peer_is_bounded_by_timeout_s(tmp_path):
             _kill_all(p)
 
 
-def test_two_nodes_on_loopback_equal_one_node(tmp_path):
-    one = tmp_path / "one"
-    run("ddp_train.py", 2, ["--max_iters", "8"], one)
+def test_two_nodes_on_loopback_equal_one_node(shared_run, tmp_path):
     port = free_port()
     nodes = []
     for node_rank in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nanodist-test", f"--node_rank={node_rank}",
-               "ddp_train.py", *FLAGS, "--max_iters", "8", "--out_dir", str(tmp_path / "two")]
+               "ddp_train.py", *PARITY, "--max_iters", str(STEPS), "--out_dir", str(tmp_path / "two")]
         # Both "nodes" share this machine's cores as the 2 local ranks of one node do.
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         nodes.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -209,7 +211,7 @@ def test_two_nodes_on_loopback_equal_one_node(tmp_path):
         for p in nodes:
             _kill_all(p)
     assert all(p.returncode == 0 for p in nodes), "\n".join(o[-2000:] for o in outs)
-    two, single = step_losses(tmp_path / "two"), step_losses(one)
+    two, single = step_losses(tmp_path / "two"), uninterrupted(shared_run, "ddp_train.py", 2)
     print(f"two nodes vs one node: max |dloss| = {max(abs(a - b) for a, b in zip(two, single)):.2e}")
     assert two == single
 

@@ -258,11 +258,9 @@ def _ckpt(path):
     return torch.load(path, weights_only=False)
 
 
-def test_checkpoint_is_the_full_format_and_equals_single_process_training(tmp_path):
+def test_checkpoint_is_the_full_format_and_equals_single_process_training(shared_run, tmp_path):
     flags = TINY + ["--max_iters", "3"]
-    ref = launch("ddp_train.py", None, flags + ["--out_dir", str(tmp_path / "ref")])
-    assert ref.returncode == 0, ref.stderr[-2000:]
-    reference = _ckpt(tmp_path / "ref" / "ckpt.pt")
+    reference = _ckpt(shared_run("ddp_train.py", None, flags)[0] / "ckpt.pt")
     for impl, extra in (("custom", ["--sequence_parallel"]), ("pytorch", [])):
         out = tmp_path / impl
         result = launch("tp_train.py", 2, flags + ["--implementation", impl, "--out_dir", str(out)] + extra)
