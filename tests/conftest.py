@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -36,29 +37,59 @@ def prepared_data():
     assert error is None, error
 
 
-def launch(script, nproc, args, timeout=300, check_teardown=True):
-    """Run a strategy script: plain python when nproc is None, else torchrun with nproc ranks."""
-    if nproc is None:
-        cmd = [sys.executable, script]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
+def launch(script, nproc, args, timeout=300, check_teardown=True, torchrun=True):
+    """Run a strategy script: plain python when nproc is None, else nproc ranks under torchrun.
+
+    torchrun=False starts the nproc ranks as `python script` processes given the environment torchrun
+    gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT with a free
+    port, OMP_NUM_THREADS=1): the same code path in the script (env:// rendezvous, rank 0 hosts the
+    store), without torchrun's own start-up, about 2 s a launch here. The numeric tests (parity,
+    resume) use it; everything about how a job starts, fails or restarts keeps torchrun."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # In its own session, so a timeout kills torchrun and its workers alike: a worker left behind
-    # could hold ports and CPU and disturb the tests after it.
-    proc = subprocess.Popen(cmd + list(args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    finally:
+    if nproc is None:
+        ranks = [([sys.executable, script], env)]
+    elif torchrun:
+        ranks = [([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script],
+                  env)]
+    else:
+        rendezvous = dict(env, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+        ranks = [([sys.executable, script], dict(rendezvous, RANK=str(r), LOCAL_RANK=str(r))) for r in range(nproc)]
+    # Each process in its own session, so a timeout kills torchrun and its workers alike: a worker left
+    # behind could hold ports and CPU and disturb the tests after it. Output goes to files, not pipes, so
+    # that no rank blocks on a full pipe while another is being read.
+    with tempfile.TemporaryDirectory() as logs:
+        procs, files = [], []
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            for r, (cmd, rank_env) in enumerate(ranks):
+                out, err = open(os.path.join(logs, f"{r}.out"), "w+"), open(os.path.join(logs, f"{r}.err"), "w+")
+                files.append((out, err))
+                procs.append(subprocess.Popen(cmd + list(args), cwd=REPO, env=rank_env, stdout=out, stderr=err,
+                                              text=True, start_new_session=True))
+            deadline = time.time() + timeout
+            # As torchrun does, the first rank to fail ends the job (the finally below kills the rest).
+            while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+                if time.time() > deadline:
+                    raise subprocess.TimeoutExpired(procs[0].args, timeout)
+                time.sleep(0.02)
+            codes = [p.poll() for p in procs]  # None: still running, to be killed because another rank failed
+        finally:
+            for proc in procs:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        stdout, stderr = "", ""
+        for out, err in files:
+            out.seek(0), err.seek(0)
+            stdout, stderr = stdout + out.read(), stderr + err.read()
+            out.close(), err.close()
     # Every run checks that it released its process groups (common.distributed.teardown): a group left
     # alive into interpreter shutdown can abort a finished run (SIGABRT) about once in 100 launches.
     if check_teardown:
         assert "warning: teardown" not in stderr, stderr[-3000:]
-    return subprocess.CompletedProcess(proc.args, proc.wait(), stdout, stderr)
+    return subprocess.CompletedProcess(procs[0].args, next((c for c in codes if c), 0), stdout, stderr)
 
 
 def the_one_error(script, nproc, args):
@@ -86,7 +117,7 @@ def step_losses(out_dir):
 
 
 def run_losses(script, nproc, args, out_dir):
-    result = launch(script, nproc, list(args) + ["--out_dir", str(out_dir)])
+    result = launch(script, nproc, list(args) + ["--out_dir", str(out_dir)], torchrun=False)
     assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return step_losses(out_dir)
 
@@ -107,7 +138,7 @@ def shared_run(tmp_path_factory):
         key = (script, nproc, tuple(args))
         if key not in runs:
             out_dir = tmp_path_factory.mktemp("run")
-            result = launch(script, nproc, list(args) + ["--out_dir", str(out_dir)])
+            result = launch(script, nproc, list(args) + ["--out_dir", str(out_dir)], torchrun=False)
             assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
             runs[key] = out_dir, result
         return runs[key]

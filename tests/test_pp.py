@@ -165,7 +165,8 @@ def test_four_stages_1f1b():
 
 def test_timeline_bubble_and_checkpoint_equal_the_reference(shared_run, tmp_path):
     flags = TINY + ["--max_iters", "3", "--checkpoint_interval", "2"]
-    result = launch("pp_train.py", 2, flags + ["--schedule", "gpipe", "--print_schedule", "--out_dir", str(tmp_path / "pp")])
+    result = launch("pp_train.py", 2, flags + ["--schedule", "gpipe", "--print_schedule", "--out_dir", str(tmp_path / "pp")],
+                    torchrun=False)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "stage 0 (rank 0): wte, wpe, blocks 0-0" in out and "stage 1 (rank 1): blocks 1-1, ln_f, lm_head" in out

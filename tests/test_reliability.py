@@ -12,6 +12,7 @@
 """
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +33,7 @@ TOL = 1e-5  # the parity tolerance (tests/test_parity.py)
 
 
 def run(script, nproc, args, out_dir, timeout=300):
-    result = launch(script, nproc, FLAGS + list(args) + ["--out_dir", str(out_dir)], timeout=timeout)
+    result = launch(script, nproc, FLAGS + list(args) + ["--out_dir", str(out_dir)], timeout=timeout, torchrun=False)
     assert result.returncode == 0, f"{script} {args} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
 
@@ -53,12 +54,18 @@ def reference(shared_run):
     return uninterrupted(shared_run, "ddp_train.py", None)
 
 
-def _cut_and_resume(script, implementation, out):
-    """CUT steps, then --resume to STEPS in the same out_dir; returns the logged losses by step."""
-    impl = ["--implementation", implementation]
-    run(script, 2, impl + ["--max_iters", str(CUT)], out)
+def cut_run(shared_run, script, implementation, out):
+    """Copies into `out` the run of CUT steps of this script at 2 ranks (one run per session, shared by the
+    resume and cross-strategy tests): its checkpoint at step CUT and the metrics of steps 0..CUT-1."""
+    source, _ = shared_run(script, 2, FLAGS + ["--implementation", implementation, "--max_iters", str(CUT)])
+    shutil.copytree(source, out, dirs_exist_ok=True)
     assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == CUT
-    result = run(script, 2, impl + ["--max_iters", str(STEPS), "--resume"], out)
+
+
+def _cut_and_resume(shared_run, script, implementation, out):
+    """CUT steps, then --resume to STEPS in the same out_dir; returns the logged losses by step."""
+    cut_run(shared_run, script, implementation, out)
+    result = run(script, 2, ["--implementation", implementation, "--max_iters", str(STEPS), "--resume"], out)
     assert f"resuming from {out / 'ckpt.pt'} at step {CUT}" in result.stdout
     losses = [r for r in read_metrics(out) if "loss" in r]
     assert [r["step"] for r in losses] == list(range(STEPS))  # the lines before CUT kept, each step once
@@ -68,22 +75,22 @@ def _cut_and_resume(script, implementation, out):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_resume_is_bit_identical(script, shared_run, tmp_path):
-    assert _cut_and_resume(script, "custom", tmp_path) == uninterrupted(shared_run, script, 2)
+    assert _cut_and_resume(shared_run, script, "custom", tmp_path) == uninterrupted(shared_run, script, 2)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_pytorch_implementation_resumes(script, reference, tmp_path):
+def test_pytorch_implementation_resumes(script, shared_run, reference, tmp_path):
     """PyTorch's implementation resumes through the same code; it equals the single-process
     reference within the parity tolerance (bit-identity to itself is checked for custom above)."""
-    losses = _cut_and_resume(script, "pytorch", tmp_path)
+    losses = _cut_and_resume(shared_run, script, "pytorch", tmp_path)
     assert max(abs(a - reference[s]) for s, a in enumerate(losses)) <= TOL
 
 
 @pytest.mark.parametrize("first,second", [("fsdp_train.py", "tp_train.py"), ("ddp_train.py", "pp_train.py"),
                                           ("zero3_train.py", "fsdp_train.py"), ("tp_train.py", "zero3_train.py"),
                                           ("pp_train.py", "ddp_train.py")])
-def test_cross_strategy_resume_matches_the_reference(first, second, reference, tmp_path):
-    run(first, 2, ["--max_iters", str(CUT)], tmp_path)
+def test_cross_strategy_resume_matches_the_reference(first, second, shared_run, reference, tmp_path):
+    cut_run(shared_run, first, "custom", tmp_path)  # the same run test_resume_is_bit_identical continues
     run(second, 2, ["--max_iters", str(STEPS), "--resume"], tmp_path)
     got = by_step(tmp_path)
     assert sorted(got) == list(range(STEPS))

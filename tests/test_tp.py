@@ -263,7 +263,7 @@ def test_checkpoint_is_the_full_format_and_equals_single_process_training(shared
     reference = _ckpt(shared_run("ddp_train.py", None, flags)[0] / "ckpt.pt")
     for impl, extra in (("custom", ["--sequence_parallel"]), ("pytorch", [])):
         out = tmp_path / impl
-        result = launch("tp_train.py", 2, flags + ["--implementation", impl, "--out_dir", str(out)] + extra)
+        result = launch("tp_train.py", 2, flags + ["--implementation", impl, "--out_dir", str(out)] + extra, torchrun=False)
         assert result.returncode == 0, result.stderr[-3000:]
         ckpt = _ckpt(out / "ckpt.pt")
         assert ckpt["step"] == 3 and list(ckpt["model"]) == list(reference["model"])

@@ -289,5 +289,5 @@ def test_ranks_owning_nothing_warn_and_still_train(tmp_path):
 
 @pytest.mark.parametrize("flag", ["--persistence_threshold", "--max_reuse_distance"])
 def test_negative_sizes_give_one_clear_error(flag, tmp_path):
-    error = the_one_error("zero3_train.py", 2, TINY + ["--max_iters", "2", flag, "-1", "--out_dir", str(tmp_path)])
+    error = the_one_error("zero3_train.py", None, TINY + ["--max_iters", "2", flag, "-1", "--out_dir", str(tmp_path)])
     assert error == f"error: {flag}: must be >= 0, got -1"
