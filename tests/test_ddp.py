@@ -55,9 +55,22 @@ def _custom_vs_torch_ddp(rank, world_size, accum):
     return same_init, diff, in_buffers, len(buckets.buckets)
 
 
+def _all_checks(rank, world_size):
+    """Every 2-rank check of this file on one spawn (each spawn costs seconds of start-up)."""
+    return {"vs_torch_ddp": {accum: _custom_vs_torch_ddp(rank, world_size, accum) for accum in (1, 4)},
+            "all_reduces": _count_all_reduces(rank, world_size, 3),
+            "accumulation": _accumulation_equals_full_batch(rank, world_size),
+            "unused": _unused_parameter(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn(_all_checks, 2)
+
+
 @pytest.mark.parametrize("accum", [1, 4])
-def test_custom_gradients_equal_torch_ddp(accum):
-    for same_init, diff, in_buffers, n_buckets in spawn(_custom_vs_torch_ddp, 2, accum):
+def test_custom_gradients_equal_torch_ddp(accum, ranks):
+    for same_init, diff, in_buffers, n_buckets in (r["vs_torch_ddp"][accum] for r in ranks):
         assert same_init, "ranks must start from identical weights"
         assert diff <= 1e-6, diff
         assert in_buffers, "after backward every .grad must still be a view into its bucket"
@@ -91,9 +104,8 @@ def _count_all_reduces(rank, world_size, accum):
     return per_micro_step, [b.buffer.numel() for b in buckets.buckets]
 
 
-def test_all_reduce_count_per_step_is_bucket_count_and_zero_on_no_sync_micro_steps():
-    accum = 3
-    for per_micro_step, bucket_sizes in spawn(_count_all_reduces, 2, accum):
+def test_all_reduce_count_per_step_is_bucket_count_and_zero_on_no_sync_micro_steps(ranks):
+    for per_micro_step, bucket_sizes in (r["all_reduces"] for r in ranks):  # 3 micro-steps
         assert [len(calls) for _, calls in per_micro_step] == [0, 0, len(bucket_sizes)]
         launched_in_backward, calls = per_micro_step[-1]
         assert launched_in_backward == len(bucket_sizes), "every bucket must be launched from a hook, during backward"
@@ -113,8 +125,8 @@ def _accumulation_equals_full_batch(rank, world_size):
     return max((a - b).abs().max().item() for a, b in zip(*grads))
 
 
-def test_gradient_accumulation_equals_one_full_batch_step():
-    assert max(spawn(_accumulation_equals_full_batch, 2)) <= 1e-6
+def test_gradient_accumulation_equals_one_full_batch_step(ranks):
+    assert max(r["accumulation"] for r in ranks) <= 1e-6
 
 
 def _unused_parameter(rank, world_size):
@@ -136,8 +148,8 @@ def _unused_parameter(rank, world_size):
     return model.used.weight.grad.clone(), model.unused.weight.grad.clone()
 
 
-def test_unused_parameters_get_zero_gradient_and_no_hang():
-    (used0, unused0), (used1, _) = spawn(_unused_parameter, 2)
+def test_unused_parameters_get_zero_gradient_and_no_hang(ranks):
+    (used0, unused0), (used1, _) = (r["unused"] for r in ranks)
     assert torch.equal(unused0, torch.zeros(4, 4))
     assert torch.allclose(used0, torch.full((4, 4), 3.0))  # mean over ranks of 2 rows of 1s and 2 rows of 2s
     assert torch.equal(used0, used1)
