@@ -116,12 +116,6 @@ def step_losses(out_dir):
     return [r["loss"] for r in read_metrics(out_dir) if "loss" in r]
 
 
-def run_losses(script, nproc, args, out_dir):
-    result = launch(script, nproc, list(args) + ["--out_dir", str(out_dir)], torchrun=False)
-    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    return step_losses(out_dir)
-
-
 # The parity config (tests/test_parity.py), shared with the resume tests so that they can reuse its runs.
 PARITY_STEPS = 15
 PARITY = TINY + ["--learning_rate", "1e-3", "--min_lr", "1e-4", "--warmup_iters", "5", "--seed", "1337"]
