@@ -56,6 +56,13 @@ def save_checkpoint(model_state, optimizer_state, step, config, args):
                     os.path.join(args.out_dir, "ckpt.pt"))
 
 
+def checkpoint(step, model, optimizer, config, args):
+    """Collective: model.full_state(optimizer) gathers the full format in the strategy's own way
+    (model state, AdamW state by name, complete on rank 0), and rank 0 writes it."""
+    model_state, optimizer_state = model.full_state(optimizer)
+    save_checkpoint(model_state, optimizer_state, step, config, args)
+
+
 def read(path, flag="--resume"):
     """(checkpoint, None), or (None, the one-line reason it cannot be used)."""
     if not os.path.exists(path):

@@ -96,6 +96,8 @@ def parse_args(strategy, add_flags=None, argv=None):
     r.add_argument("--timeout_s", type=float, default=300,
                    help="collective timeout: a rank waiting longer on a dead peer fails instead of hanging")
     add_bool(r, "--tensorboard", True, "also log the metrics to TensorBoard under out_dir")
+    add_bool(r, "--profile", False, "write a torch.profiler trace of steps 2-4 per rank to out_dir/profile "
+             "(open in ui.perfetto.dev or TensorBoard)")
     if add_flags is not None:
         add_flags(p.add_argument_group(strategy))
     args = p.parse_args(argv)

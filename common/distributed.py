@@ -120,6 +120,27 @@ def setup_data(args):
         die(verdict[0])
 
 
+def clip_grad_norm_(sharded, replicated, max_norm, group=None):
+    """The pinned global gradient norm, and clipping by it. `sharded`: gradients this rank alone
+    holds (shards, owned tensors, stages), whose squares are summed over the ranks of `group` with
+    one all-reduce of an fp32 scalar (4 bytes); pass None when no gradient is sharded. `replicated`:
+    gradients every rank of the group holds equal, counted once. Every gradient is then scaled by
+    min(1, max_norm / (norm + 1e-6)), the same factor on every rank; max_norm 0 only measures."""
+    grads = (sharded or []) + replicated
+    squares = [(g.float() * g.float()).sum() for g in grads]
+    device = grads[0].device if grads else torch.device(
+        "cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    local = torch.stack(squares[:len(sharded or [])]).sum() if sharded else torch.zeros((), device=device)
+    if sharded is not None:
+        dist.all_reduce(local, group=group)
+    norm = (local + sum(squares[len(sharded or []):], torch.zeros((), device=device))).sqrt()
+    if max_norm > 0:
+        clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(clip)
+    return norm
+
+
 def autocast(args, device):
     """bf16 compute with fp32 parameters (autocast), or a no-op in fp32."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")

@@ -1,17 +1,22 @@
-"""metrics.jsonl + TensorBoard + nanoGPT-style progress lines, written by rank 0.
+"""Measurement, kept out of the strategies: metrics.jsonl + TensorBoard + nanoGPT-style progress
+lines (rank 0), named wait timers, the saved-activation meter, model-state bytes and --profile.
 
 Lines of <out_dir>/metrics.jsonl (a fresh run truncates it, a resumed run appends):
   step:  {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_ms", "peak_mem_bytes"}
   eval:  {"step", "val_loss", "train_loss"}                      (no "loss" key)
   final: {"summary": true, "model_state_bytes", "peak_mem_bytes", "tokens_per_sec" (median),
-          "model_state_bytes_per_rank", "peak_mem_bytes_per_rank", ...}
+          "model_state_bytes_per_rank", "peak_mem_bytes_per_rank",
+          "<timer>_ms_per_rank" (median per step of each named wait), ...}
 """
 import json
 import os
 import resource
 import statistics
+import time
+from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.distributed as dist
 
 
 def peak_mem_bytes(device):
@@ -21,12 +26,60 @@ def peak_mem_bytes(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def tensor_bytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+def held_bytes(tensors):
+    """Bytes this rank really holds: a DTensor counts its local shard, a freed tensor (storage
+    resized to 0) counts 0."""
+    total = 0
+    for t in tensors:
+        if t is not None:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            total += min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+    return total
 
 
-def optimizer_state_bytes(optimizer):
-    return tensor_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+def model_state_bytes(optimizer):
+    """The model state this rank keeps between steps: the parameters the optimizer updates, their
+    gradients and its state (AdamW: exp_avg, exp_avg_sq): 16 bytes a parameter in fp32."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return held_bytes(params) + held_bytes(p.grad for p in params) + held_bytes(state)
+
+
+class Timers:
+    """Seconds spent per step in named spans, e.g. the waits on communication that overlap did not
+    hide: a strategy writes `with timers("exposed_comm"): work.wait()`; Metrics.step() closes the
+    step and the summary reports each name's median ms per step, per rank. `spans` (when kept)
+    holds (label or name, start, end) of every span of the step (last_spans: of the last finished
+step), seconds from the step's start, for a timeline."""
+
+    def __init__(self):
+        self.seconds, self.spans, self.last_spans, self.keep_spans, self.steps, self.t0 = {}, [], [], False, {}, 0.0
+
+    @contextmanager
+    def __call__(self, name, label=None):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            self.seconds[name] = self.seconds.get(name, 0.0) + end - start
+            if self.keep_spans:
+                self.spans.append((label or name, start - self.t0, end - self.t0))
+
+    def start_step(self):
+        self.seconds, self.spans, self.t0 = {}, [], time.perf_counter()
+
+    def end_step(self):
+        for name, s in self.seconds.items():
+            self.steps.setdefault(name, []).append(1000 * s)
+        self.last_spans = self.spans
+        self.start_step()
+
+    def medians_ms(self):
+        return {name: statistics.median(ms) for name, ms in self.steps.items()}
+
+
+timers = Timers()
 
 
 class SavedActivations:
@@ -35,7 +88,7 @@ class SavedActivations:
     the same way on CPU and GPU, whatever the allocator does."""
 
     def __init__(self):
-        self.storages = {}
+        self.storages, self.measured = {}, False
 
     def _pack(self, t):
         if not isinstance(t, torch.nn.Parameter):
@@ -55,6 +108,16 @@ class SavedActivations:
     def bytes(self):
         return sum(self.storages.values())
 
+    def first(self):
+        """This meter around the first call only (e.g. one micro-step's forward), else a no-op."""
+        if self.measured:
+            return nullcontext()
+        self.measured = True
+        return self
+
+
+activations = SavedActivations()  # a strategy measures with `with activations.first():`; the summary reports it
+
 
 class Metrics:
     def __init__(self, out_dir, enabled, tensorboard=True, start_step=0):
@@ -62,6 +125,7 @@ class Metrics:
         logged after the checkpoint by the interrupted run, and its summary), and append."""
         self.enabled = enabled
         self.tokens_per_sec = []
+        timers.start_step()
         self.file = self.writer = None
         if not enabled:
             return
@@ -91,6 +155,7 @@ class Metrics:
                     self.writer.add_scalar(key, value, record["step"])
 
     def step(self, step, loss, lr, grad_norm, tokens, seconds, device, log_interval):
+        timers.end_step()
         record = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_sec=tokens / seconds,
                       step_ms=1000 * seconds, peak_mem_bytes=peak_mem_bytes(device))
         self.log(record)
@@ -99,24 +164,58 @@ class Metrics:
                   f"time {1000 * seconds:.1f}ms, {tokens / seconds:,.0f} tok/s", flush=True)
 
     def eval(self, step, losses):
+        timers.start_step()  # the evaluation's waits are not the next step's
         self.log(dict(step=step, val_loss=losses["val"], train_loss=losses["train"]))
         if self.enabled:
             print(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", flush=True)
 
-    def summary(self, model_state_bytes_per_rank, peak_mem_bytes_per_rank, **extra):
-        record = dict(summary=True, model_state_bytes=model_state_bytes_per_rank[0],
-                      peak_mem_bytes=peak_mem_bytes_per_rank[0],
+    def summary(self, model_state_bytes, device, **extra):
+        """Collective: every rank's model state, peak memory, timer medians and `extra` values are
+        gathered, and rank 0 writes them as lists (<key>_per_rank) in the summary line."""
+        mine = dict(model_state_bytes=model_state_bytes, peak_mem_bytes=peak_mem_bytes(device),
+                    **{f"{k}_ms": round(v, 3) for k, v in timers.medians_ms().items()}, **extra)
+        if activations.measured:
+            mine["saved_activation_bytes"] = activations.bytes
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        record = dict(summary=True, model_state_bytes=ranks[0]["model_state_bytes"],
+                      peak_mem_bytes=ranks[0]["peak_mem_bytes"],
                       tokens_per_sec=statistics.median(self.tokens_per_sec) if self.tokens_per_sec else 0.0,
-                      model_state_bytes_per_rank=model_state_bytes_per_rank,
-                      peak_mem_bytes_per_rank=peak_mem_bytes_per_rank, **extra)
+                      **{f"{k}_per_rank": [r.get(k) for r in ranks] for k in ranks[0]})
         self.log(record)
         if self.enabled:
             print(f"done: median {record['tokens_per_sec']:,.0f} tok/s, model state "
                   f"{record['model_state_bytes'] / 2**20:.1f} MiB/rank, peak memory "
-                  f"{max(peak_mem_bytes_per_rank) / 2**20:.0f} MiB/rank (max)", flush=True)
+                  f"{max(record['peak_mem_bytes_per_rank']) / 2**20:.0f} MiB/rank (max)", flush=True)
 
     def close(self):
         if self.file is not None:
             self.file.close()
         if self.writer is not None:
             self.writer.close()
+
+
+class Profiler:
+    """--profile: a torch.profiler trace of steps 2..4 of this run (after a step of warm-up), one
+    file per rank, <out_dir>/profile/rank<r>.*.pt.trace.json, with CPU ops, CUDA kernels and the
+    collectives (gloo/nccl) on one timeline; open it in https://ui.perfetto.dev or TensorBoard.
+    Call step() once per training step; without --profile it does nothing."""
+
+    def __init__(self, args, rank):
+        self.prof = None
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+                                on_trace_ready=tensorboard_trace_handler(os.path.join(args.out_dir, "profile"),
+                                                                         worker_name=f"rank{rank}"))
+            self.prof.start()
+
+    def step(self):
+        if self.prof is not None:
+            self.prof.step()
+
+    def stop(self):
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None
