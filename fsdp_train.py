@@ -1,26 +1,18 @@
 """FSDP: Fully Sharded Data Parallel, written by hand.
 
-Each transformer block is one FSDP "unit", and the embeddings, final LayerNorm and the head (tied to
-the embedding: one tensor) form the root unit. A unit's parameters live as one flat fp32 vector,
-padded to a multiple of the N ranks and split in N equal shards: rank r keeps only shard r, its
-`local_shard`, and the optimizer works on the shards, so params, grads and AdamW state are all
-sharded: 16P/N bytes per rank instead of DDP's 16P, plus the units gathered at the moment.
-
-Before a unit's forward its shards are all-gathered into a full flat buffer (`flat_param`) and the
-module's parameters become views into that buffer; after the forward the buffer is freed (reshard
-after forward). Backward gathers it again, computes the unit's gradient into one flat gradient, and
-reduce-scatters it: every rank receives the mean over ranks of its own shard of the gradient. The
-next unit's all-gather is started early (prefetch) and the reduce-scatters run while backward goes
-on (at most two in flight, which bounds the unsharded gradients held), so communication
-overlaps compute. Communication per step: 2 all-gathers of 4P bytes (forward
-and backward) and 1 reduce-scatter of 4P bytes, each moving (N-1)/N of those bytes per rank: 1.5x
-DDP's all-reduce (3 x (N-1)/N x 4P against 2 x (N-1)/N x 4P).
-
-Choices: gradient accumulation reduce-scatters every micro-step into the sharded gradient (4P/N
-bytes of gradient held, A x the reduce-scatter traffic) rather than holding 4P of unsharded
-gradients until the last one. --dtype bfloat16 gathers bf16 params (half the all-gather bytes) and
-reduce-scatters fp32 gradients (no bf16 rounding in the sum over ranks); shards and AdamW state
-stay fp32. The root unit stays gathered from its forward to the end of its backward, like FSDP2's.
+Each transformer block is one FSDP unit; the embeddings, final LayerNorm and the head (tied to the
+embedding: one tensor) form the root unit. A unit's parameters live as one flat fp32 vector, padded
+to a multiple of the N ranks and cut in N equal shards: rank r keeps only shard r, its `local_shard`,
+and AdamW updates the shards. Before a unit's forward its shards are all-gathered into a full flat
+buffer (`flat_param`) whose views become the module's parameters; after the forward it is freed.
+Backward gathers it again and reduce-scatters the unit's flat gradient: each rank receives the mean
+over ranks of its own shard. The next unit's all-gather starts early (prefetch) and up to two
+reduce-scatters run while backward goes on. The root stays gathered through backward, like FSDP2's.
+  memory per rank:  16P/N bytes (params, grads, AdamW state: all sharded) + the gathered units
+  communication:    all-gather 4P bytes (forward), all-gather 4P (backward), reduce-scatter 4P of
+                    gradients, each (N-1)/N of them per rank: 1.5x DDP's all-reduce. Accumulation
+                    reduce-scatters every micro-step (A x that, but 4P/N gradient bytes held, not
+                    4P). --dtype bfloat16 gathers bf16 (half the bytes), reduce-scatters fp32.
 
 Run:
   python fsdp_train.py                                   # single process: one shard, the reference
@@ -40,12 +32,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from common.checkpoint import resume, save_atomic, save_checkpoint, set_adamw_state
+from common.checkpoint import checkpoint as full_checkpoint, resume as full_resume, save_atomic, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import autocast, setup, setup_data, teardown
-from common.metrics import Metrics, peak_mem_bytes, tensor_bytes
-from common.model import GPT, configure_optimizer, init_tensor
+from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
+from common.metrics import Metrics, Profiler, model_state_bytes, timers
+from common.model import GPT, configure_optimizer, init_tensor, num_params
 
 
 # ---- the strategy: flat-parameter units, gathered for use and sharded at rest -----------
@@ -152,8 +144,7 @@ class FullyShardedGPT:
         self.root = make(unit_tensors(model, "", skip="transformer.h."))
         self.units = self.blocks + [self.root]
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        self.pending = []       # in-flight reduce-scatters: (unit, received shard, sent gradient, work)
-        self.exposed_s = 0.0    # time spent waiting for communication (what overlap failed to hide)
+        self.pending = []  # in-flight reduce-scatters: (unit, received shard, sent gradient, work)
         model.register_forward_pre_hook(self._root_pre_forward)
         model.register_forward_hook(self._root_post_forward)
         for i, block in enumerate(model.transformer.h):
@@ -165,9 +156,8 @@ class FullyShardedGPT:
     def _ready(self, unit):
         unit.unshard()
         if unit.work is not None:
-            t0 = time.perf_counter()
-            unit.work.wait()
-            self.exposed_s += time.perf_counter() - t0
+            with timers("exposed_comm"):  # the part of the all-gather that prefetch did not hide
+                unit.work.wait()
             unit.work = unit.sent = None
 
     def _root_pre_forward(self, model, args):
@@ -217,9 +207,8 @@ class FullyShardedGPT:
 
     def _finish(self, pending):
         unit, shard, _, work = pending
-        t0 = time.perf_counter()
-        work.wait()
-        self.exposed_s += time.perf_counter() - t0
+        with timers("exposed_comm"):  # the part of the reduce-scatter that backward did not hide
+            work.wait()
         # Accumulate into the sharded gradient (gradient accumulation reduce-scatters every micro-step:
         # 4P/N bytes of gradient held instead of 4P, for A x the reduce-scatter traffic).
         unit.local_shard.grad += shard
@@ -229,26 +218,96 @@ class FullyShardedGPT:
         while self.pending:
             self._finish(self.pending.pop(0))
 
-    def local_grads(self):
-        """This rank's gradient values, padding excluded."""
-        return [u.local_shard.grad[:u.valid] for u in self.units]
 
-    def gathered_bytes(self):
-        return sum(u.flat_param.untyped_storage().nbytes() for u in self.units if u.flat_param is not None)
+class ShardedAdamW(torch.optim.AdamW):
+    """AdamW over the units' flat shards. Its decoupled weight decay must skip biases and LayerNorm
+    weights, which share a shard with the matrices: FlatParamUnit puts them last, so step() decays
+    each shard's [:decay] range, as AdamW would each >= 2-dim tensor, then runs AdamW without decay."""
+
+    def __init__(self, units, args):
+        super().__init__([u.local_shard for u in units], lr=args.learning_rate, betas=(args.beta1, args.beta2),
+                         eps=1e-8, weight_decay=0.0)
+        self.units, self.decay_rate = units, args.weight_decay
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for u in self.units:
+            u.local_shard[:u.decay].mul_(1 - self.param_groups[0]["lr"] * self.decay_rate)
+        return super().step(closure)
 
 
-def clip_by_global_norm(grads, grad_clip):
-    """The pinned global norm of sharded gradients: each rank sums the squares of its own values,
-    all-reduce adds the N partial sums (one fp32 scalar each way). Then every shard is scaled by
-    min(1, grad_clip / (norm + 1e-6)), the same factor on every rank. Returns the norm."""
-    norm_sq = torch.stack([(g.float() * g.float()).sum() for g in grads]).sum()
-    dist.all_reduce(norm_sq, op=dist.ReduceOp.SUM)
-    norm = norm_sq.sqrt()
-    if grad_clip > 0:
-        clip = (grad_clip / (norm + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(clip)
-    return norm
+class FSDP:
+    """The strategy behind the few methods the training loop calls: the GPT's parameters as flat
+    shards driven by FullyShardedGPT, updated by ShardedAdamW."""
+    dp_group = None  # the ranks that split the batch: all of them, which also share every unit
+
+    def __init__(self, config, args, device, state=None):
+        # From a checkpoint (full tensors, any world size) or --deferred_init (init_tensor) the GPT is built
+        # on the meta device; each rank cuts its own shards from the full values, one tensor at a time.
+        self.args, self.device = args, device
+        self.model = GPT(config, seed=args.seed, device="meta" if args.deferred_init or state is not None else device)
+        self.state_keys = list(self.model.state_dict())  # both tied names, in GPT's order
+        full = dict(self.model.named_parameters())  # freed with __init__'s locals: only the shards remain
+        value_of = (lambda name, shape: state[name]) if state is not None else \
+            (lambda name, shape: init_tensor(name, shape, config, args.seed)) if args.deferred_init else \
+            (lambda name, shape: full[name].detach())
+        compute_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+        self.fsdp = FullyShardedGPT(self.model, value_of, dist.get_rank(), dist.get_world_size(), device,
+                                    compute_dtype, args.reshard_after_forward, args.prefetch)
+        self.units = self.fsdp.units
+        self.sharded_state = load_sharded(args.resume_sharded, self.units) if args.resume_sharded else ()
+        for unit, saved in zip(self.units, self.sharded_state):  # this rank's own file: the shards as saved
+            with torch.no_grad():
+                unit.local_shard.copy_(saved.pop("local_shard"))
+
+    def configure_optimizer(self, args, state=None):
+        optimizer = ShardedAdamW(self.units, args)
+        for unit in self.units if state else ():  # exp_avg, exp_avg_sq: cut into flat shards like the params
+            optimizer.state[unit.local_shard] = dict(step=state[unit.tensors[0][0][0]]["step"].clone(), **{
+                k: unit.shard_of(lambda name, shape: state[name][k]) for k in ("exp_avg", "exp_avg_sq")})
+        for unit, saved in zip(self.units, self.sharded_state):  # --resume_sharded: this rank's own file
+            optimizer.state[unit.local_shard] = saved  # its AdamW state ({} if saved before a step)
+        return optimizer
+
+    def forward_backward(self, x, y, sync):
+        """One micro-step; returns its loss. Each one reduce-scatters (see _finish): sync is not needed."""
+        with autocast(self.args, self.device):
+            _, loss = self.model(x, y)
+        (loss / self.args.grad_accum_steps).backward()  # each micro-step is 1/A of this rank's rows
+        self.fsdp.finish_backward()
+        return loss.detach().float()
+
+    @torch.no_grad()
+    def eval_loss(self, x, y):
+        self.model.eval()
+        with autocast(self.args, self.device):
+            _, loss = self.model(x, y)
+        self.model.train()
+        return loss.float()
+
+    def clip_grad_norm_(self, max_norm):
+        # Each rank holds its own shard of every gradient (padding left out): squares summed over the ranks.
+        return clip_grad_norm_([u.local_shard.grad[:u.valid] for u in self.units], [], max_norm)
+
+    def full_state(self, optimizer):
+        """The full model state_dict and AdamW state by name, gathered: complete on every rank."""
+        tensors, optim = {}, {}
+        for unit in self.units:
+            state = optimizer.state.get(unit.local_shard, {})
+            sources = {"param": unit.local_shard.detach(), **{k: state[k] for k in ("exp_avg", "exp_avg_sq") if k in state}}
+            for key, shard in sources.items():
+                gathered = shard.new_empty(unit.shard_size * dist.get_world_size())
+                dist.all_gather_single(gathered, shard.contiguous())  # the shards of every rank, in rank order
+                for (names, shape, _), piece in zip(unit.tensors, gathered.split(unit.numels + [unit.padding])):
+                    if key == "param":
+                        tensors.update({name: piece.view(shape).cpu().clone() for name in names})
+                    else:
+                        optim.setdefault(names[0], {"step": state["step"].clone()})[key] = piece.view(shape).cpu().clone()
+        return {k: tensors[k] for k in self.state_keys}, optim
+
+    def describe(self):
+        return (f"{sum(u.numel for u in self.units) / 1e6:.2f}M params, {len(self.units)} units, "
+                f"shards of {[u.shard_size for u in self.units]} values")
 
 
 def add_fsdp_flags(group):
@@ -259,197 +318,167 @@ def add_fsdp_flags(group):
     group.add_argument("--resume_sharded", default=None, help="custom only: resume from this sharded checkpoint folder")
 
 
-# ---- setup -------------------------------------------------------------------------------
-
-def main(argv=None):
-    args = parse_args("fsdp", add_fsdp_flags, argv)
+def check_fsdp_args(args, world_size):
+    """Bad input ends every rank with one line, before anything is built. Returns the DP size."""
     for flag, default in (("prefetch", True), ("deferred_init", False), ("sharded_checkpoint", False), ("resume_sharded", None)):
         if args.implementation == "pytorch" and getattr(args, flag) != default:  # FSDP2 always prefetches
             die(f"--{flag}: {str(getattr(args, flag)).lower()} is only supported by --implementation custom")
     if args.resume_sharded and not os.path.exists(os.path.join(args.resume_sharded, "manifest.pt")):
         die(f"--resume_sharded: no manifest.pt in {args.resume_sharded}")
-    check_batch_split(args, int(os.environ.get("WORLD_SIZE", 1)))
+    check_batch_split(args, world_size)
+    return world_size
+
+
+# ---- the sharded checkpoint: a file per rank beside the full one -------------------------
+
+def load_sharded(path, units):
+    """[{"local_shard", AdamW state}] per unit, from this rank's file of the sharded checkpoint at path."""
+    manifest = torch.load(os.path.join(path, "manifest.pt"), weights_only=False)
+    if manifest["world_size"] != dist.get_world_size() or manifest["shard_sizes"] != [u.shard_size for u in units]:
+        die(f"--resume_sharded: {path} was written by {manifest['world_size']} ranks for another model")
+    return torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), map_location=units[0].device)
+
+
+def checkpoint(step, model, optimizer, config, args):
+    """common's full checkpoint (gathered; rank 0 writes ckpt.pt). --sharded_checkpoint also writes
+    out_dir/sharded/: each rank its own shards and their AdamW state (no communication), rank 0 a
+    manifest. It loads on the same number of ranks only; ckpt.pt is the portable format."""
+    full_checkpoint(step, model, optimizer, config, args)
+    if args.sharded_checkpoint:
+        path, rank, units = os.path.join(args.out_dir, "sharded"), dist.get_rank(), model.units
+        save_atomic([{"local_shard": u.local_shard.detach(), **optimizer.state.get(u.local_shard, {})} for u in units],
+                    os.path.join(path, f"rank{rank}.pt"))
+        dist.barrier()  # the manifest, written last, says every rank's file is complete
+        if rank == 0:
+            save_atomic(dict(step=step, world_size=dist.get_world_size(), shard_sizes=[u.shard_size for u in units],
+                             units=[[names for names, _, _ in u.tensors] for u in units]),
+                        os.path.join(path, "manifest.pt"))
+
+
+def resume(args):
+    """common's resume; with --resume_sharded the step is the sharded checkpoint's (FSDP and its
+    configure_optimizer load this rank's shards and AdamW state from the folder)."""
+    ckpt = full_resume(args)
+    if args.resume_sharded:
+        manifest = torch.load(os.path.join(args.resume_sharded, "manifest.pt"), weights_only=False)
+        ckpt = dict(ckpt or dict(model=None, optimizer=None), step=manifest["step"])
+    return ckpt
+
+
+# ---- training ----------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args("fsdp", add_fsdp_flags, argv)
+    D = check_fsdp_args(args, int(os.environ.get("WORLD_SIZE", 1)))
     rank, world_size, device = setup(args)
     setup_data(args)
-    ckpt = resume(args)  # None, or a full checkpoint from any script at any world size: re-sharded below
+    ckpt = resume(args)  # None, or a full checkpoint written by any script at any world size
     config = gpt_config(args)
     B, T, A = args.batch_size, args.block_size, args.grad_accum_steps
-    rows, micro = B // world_size, B // world_size // A  # this rank's rows; rows per micro-step
-    compute_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    dp_rank, rows, micro = rank * D // world_size, B // D, B // D // A  # rows per DP rank; per micro-step
+    mine = slice(dp_rank * rows, (dp_rank + 1) * rows)  # this rank's rows of every global batch
 
-    custom, saved = args.implementation == "custom", ckpt["optimizer"] if ckpt else {}
-    model = GPT(config, seed=args.seed, device="meta" if custom and (args.deferred_init or ckpt) else device)
-    state_keys = list(model.state_dict().keys())  # both tied names, in GPT's order
-    if custom:
-        # Resuming re-shards here: value_of reads the checkpoint's full tensors, and each rank cuts its own
-        # flat shards from them (no communication), whatever the world size that wrote them.
-        full = dict(model.named_parameters())
-        value_of = (lambda name, shape: ckpt["model"][name]) if ckpt else \
-            (lambda name, shape: init_tensor(name, shape, config, args.seed)) if args.deferred_init else \
-            (lambda name, shape: full[name].detach())
-        fsdp = FullyShardedGPT(model, value_of, rank, world_size, device, compute_dtype,
-                               args.reshard_after_forward, args.prefetch)
-        del full  # the whole model's tensors are freed here: only the shards remain
-        shards = [u.local_shard for u in fsdp.units]
-        optimizer = torch.optim.AdamW(shards, lr=args.learning_rate, betas=(args.beta1, args.beta2), eps=1e-8,
-                                      weight_decay=0.0)  # decay is applied to each shard's decay range below
-        for u in fsdp.units if saved else ():  # AdamW sees flat shards, not names: set its state directly,
-            # the flat exp_avg/exp_avg_sq shards cut from the full tensors like the params
-            optimizer.state[u.local_shard] = dict(step=saved[u.tensors[0][0][0]]["step"].clone(), **{
-                k: u.shard_of(lambda name, shape: saved[name][k]) for k in ("exp_avg", "exp_avg_sq")})
-        n_params = sum(u.numel for u in fsdp.units)
-    else:
-        fsdp = None
-        if ckpt:
-            model.load_state_dict(ckpt["model"])  # every rank loads it whole; fully_shard keeps its dim-0 shards
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if args.dtype == "bfloat16" else MixedPrecisionPolicy()
-        for block in model.transformer.h:
-            fully_shard(block, reshard_after_forward=args.reshard_after_forward, mp_policy=mp)
-        fully_shard(model, reshard_after_forward=False, mp_policy=mp)  # the root stays gathered, as in ours
-        # DTensor parameters keep their global shapes, so the >= 2-dim decay rule applies unchanged
-        optimizer = configure_optimizer(model.named_parameters(), args.weight_decay, args.learning_rate,
-                                        (args.beta1, args.beta2))
-        for name, p in model.named_parameters() if saved else ():
-            # each rank cuts its shard of the state from its own full copy (src_data_rank=None: no communication)
-            set_adamw_state(optimizer, p, saved[name],
-                            lambda t: distribute_tensor(t.to(device), p.device_mesh, p.placements, src_data_rank=None))
-        n_params = sum(p.numel() for p in model.parameters())
-    start = load_sharded(fsdp, optimizer, args.resume_sharded, world_size) if args.resume_sharded else \
-        ckpt["step"] if ckpt else 0
+    model = (FSDP if args.implementation == "custom" else TorchFSDP)(config, args, device, ckpt and ckpt["model"])
+    optimizer = model.configure_optimizer(args, ckpt and ckpt["optimizer"])
+    start = ckpt["step"] if ckpt else 0
     metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
     if rank == 0:
-        print(f"fsdp ({args.implementation}): {world_size} rank(s) on {device}, {n_params / 1e6:.2f}M params, "
-              f"global batch {B} x {T} tokens, {A} micro-step(s) of {micro} rows per rank"
-              + (f", {len(fsdp.units)} units, shards of {[u.shard_size for u in fsdp.units]} values" if fsdp else ""),
-              flush=True)
+        print(f"fsdp ({args.implementation}): {world_size} rank(s) on {device}, {model.describe()}; global batch "
+              f"{B} x {T} tokens, {A} micro-step(s) of {micro} rows per data-parallel rank", flush=True)
 
     @torch.no_grad()
     def evaluate():
-        """Mean loss over eval_iters fixed batches per split; each rank evaluates its rows of
-        each batch and the means are averaged over ranks (equal row counts, so the global mean)."""
-        model.eval()
+        """Mean loss over eval_iters fixed batches per split: each data-parallel rank evaluates its rows
+        of each batch, and the means are averaged over those ranks (equal rows: the global mean)."""
         out = {}
         for split in ("train", "val"):
             total = torch.zeros((), device=device)
             for k in range(args.eval_iters):
                 x, y = get_batch(split, k, B, T, args.seed + 1, args.dataset)
-                with autocast(args, device):
-                    _, loss = model(x[rank * rows:(rank + 1) * rows].to(device), y[rank * rows:(rank + 1) * rows].to(device))
-                total += loss.float()
-            dist.all_reduce(total, op=dist.ReduceOp.AVG)
+                total += model.eval_loss(x[mine].to(device), y[mine].to(device))
+            dist.all_reduce(total, op=dist.ReduceOp.AVG, group=model.dp_group)
             out[split] = total.item() / args.eval_iters
-        model.train()
         return out
 
     # ---- training loop -------------------------------------------------------------------
-    exposed_ms = []
+    profiler = Profiler(args, rank)
     for step in range(start, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
             metrics.eval(step, evaluate())
         t0 = time.perf_counter()
-        if fsdp is not None:
-            fsdp.exposed_s = 0.0
         lr = get_lr(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = get_batch("train", step, B, T, args.seed, args.dataset)
-        x, y = x[rank * rows:(rank + 1) * rows].to(device), y[rank * rows:(rank + 1) * rows].to(device)
+        x, y = x[mine].to(device), y[mine].to(device)
         loss_sum = torch.zeros((), device=device)
-        for j in range(A):
-            with autocast(args, device):
-                _, loss = model(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro])
-            (loss / A).backward()  # each micro-step is 1/A of this rank's rows
-            if fsdp is not None:
-                fsdp.finish_backward()
-            loss_sum += loss.detach().float()
+        for j in range(A):  # gradients are synchronised on the last micro-step only
+            loss_sum += model.forward_backward(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro], j == A - 1)
         # Logged loss: the mean over all B*T tokens of the global batch (equal chunks: mean of means).
         loss_sum /= A
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-        # FSDP2's local tensors hold no padding; ours exclude it
-        grads = fsdp.local_grads() if fsdp is not None else [p.grad.to_local() for p in model.parameters()]
-        norm = clip_by_global_norm(grads, args.grad_clip)
-        if fsdp is not None:
-            with torch.no_grad():  # AdamW's decoupled weight decay, on the >= 2-dim range of each shard
-                for u in fsdp.units:
-                    u.local_shard[:u.decay].mul_(1 - lr * args.weight_decay)
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=model.dp_group)
+        norm = model.clip_grad_norm_(args.grad_clip)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=False)  # zero in place: gradients that are views stay views
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if fsdp is not None:
-            exposed_ms.append(1000 * fsdp.exposed_s)
-        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, time.perf_counter() - t0, device,
-                     args.log_interval)
+        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, time.perf_counter() - t0, device, args.log_interval)
+        profiler.step()
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
-            checkpoint(model, fsdp, optimizer, state_keys, step + 1, config, args)
+            checkpoint(step + 1, model, optimizer, config, args)
+    profiler.stop()
 
     if args.eval_interval:
         metrics.eval(args.max_iters, evaluate())
-    checkpoint(model, fsdp, optimizer, state_keys, args.max_iters, config, args)
-    state = [u.local_shard for u in fsdp.units] if fsdp else [p.to_local() for p in model.parameters()]
-    state_bytes = tensor_bytes(state) * 2 + tensor_bytes(
-        getattr(v, "_local_tensor", v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    per_rank = [None] * world_size
-    dist.all_gather_object(per_rank, (state_bytes, peak_mem_bytes(device)))
-    extra = {"exposed_comm_ms": sorted(exposed_ms)[len(exposed_ms) // 2]} if exposed_ms else {}
-    metrics.summary([s for s, _ in per_rank], [m for _, m in per_rank], **extra)
+    checkpoint(args.max_iters, model, optimizer, config, args)
+    metrics.summary(model_state_bytes(optimizer), device)
     metrics.close()
 
 
-def full_state(model, fsdp, optimizer, state_keys):
-    """The full, unsharded model state_dict and AdamW state by parameter name (a collective: every
-    rank calls it; the tensors are complete on every rank for custom, on rank 0 for pytorch)."""
-    if fsdp is None:
+# ---- PyTorch's own FSDP, behind the same methods -------------------------------------------
+
+class TorchFSDP(FSDP):
+    """torch.distributed.fsdp.fully_shard (FSDP2) on every block and on the root: each parameter a
+    DTensor sharded on dim 0, all-gathered by per-module hooks, gradients reduce-scattered."""
+
+    def __init__(self, config, args, device, state=None):
+        self.model, self.args, self.device = GPT(config, seed=args.seed, device=device), args, device
+        if state is not None:
+            self.model.load_state_dict(state)  # every rank loads it whole; fully_shard keeps its dim-0 shards
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if args.dtype == "bfloat16" else MixedPrecisionPolicy()
+        for block in self.model.transformer.h:
+            fully_shard(block, reshard_after_forward=args.reshard_after_forward, mp_policy=mp)
+        fully_shard(self.model, reshard_after_forward=False, mp_policy=mp)  # the root stays gathered, as in ours
+
+    def configure_optimizer(self, args, state=None):
+        # DTensor parameters keep their global shapes, so the >= 2-dim decay rule applies unchanged
+        optimizer = configure_optimizer(self.model.named_parameters(), args.weight_decay, args.learning_rate,
+                                        (args.beta1, args.beta2))
+        for name, p in self.model.named_parameters() if state else ():
+            # each rank cuts its shard of the state from its own full copy (src_data_rank=None: no communication)
+            set_adamw_state(optimizer, p, state[name], lambda t: distribute_tensor(
+                t.to(self.device), p.device_mesh, p.placements, src_data_rank=None))
+        return optimizer
+
+    def forward_backward(self, x, y, sync):
+        with autocast(self.args, self.device):
+            _, loss = self.model(x, y)
+        (loss / self.args.grad_accum_steps).backward()  # FSDP2 reduce-scatters every micro-step too
+        return loss.detach().float()
+
+    def clip_grad_norm_(self, max_norm):
+        # the local tensors of FSDP2's DTensor gradients: this rank's dim-0 rows, no padding
+        return clip_grad_norm_([p.grad.to_local() for p in self.model.parameters()], [], max_norm)
+
+    def full_state(self, optimizer):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return (get_model_state_dict(model, options=options),
-                get_optimizer_state_dict(model, optimizer, options=options).get("state", {}))
-    tensors, optim = {}, {}
-    for unit in fsdp.units:
-        state = optimizer.state.get(unit.local_shard, {})
-        sources = {"param": unit.local_shard.detach(), **{k: state[k] for k in ("exp_avg", "exp_avg_sq") if k in state}}
-        for key, shard in sources.items():
-            gathered = shard.new_empty(unit.shard_size * dist.get_world_size())
-            dist.all_gather_single(gathered, shard.contiguous())  # the shards of every rank, in rank order
-            for (names, shape, _), piece in zip(unit.tensors, gathered.split(unit.numels + [unit.padding])):
-                if key == "param":
-                    tensors.update({name: piece.view(shape).cpu().clone() for name in names})
-                else:
-                    optim.setdefault(names[0], {"step": state["step"].clone()})[key] = piece.view(shape).cpu().clone()
-    return {k: tensors[k] for k in state_keys}, optim
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # complete on rank 0
+        return (get_model_state_dict(self.model, options=options),
+                get_optimizer_state_dict(self.model, optimizer, options=options).get("state", {}))
 
-
-def checkpoint(model, fsdp, optimizer, state_keys, step, config, args):
-    """Gather the full state (every rank takes part); rank 0 writes it in the full format."""
-    save_checkpoint(*full_state(model, fsdp, optimizer, state_keys), step, config, args)
-    if args.sharded_checkpoint:
-        save_sharded(fsdp, optimizer, step, os.path.join(args.out_dir, "sharded"))
-
-
-def save_sharded(fsdp, optimizer, step, path):
-    """Each rank writes its own shards and their AdamW state (no communication); rank 0 adds a
-    manifest. Loads on the same number of ranks; ckpt.pt is the portable, full format."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    save_atomic([{"local_shard": u.local_shard.detach(), **optimizer.state.get(u.local_shard, {})} for u in fsdp.units],
-                os.path.join(path, f"rank{rank}.pt"))
-    dist.barrier()  # the manifest, written last, says every rank's file is complete
-    if rank == 0:
-        save_atomic(dict(step=step, world_size=world_size, units=[[names for names, _, _ in u.tensors] for u in fsdp.units],
-                         shard_sizes=[u.shard_size for u in fsdp.units]), os.path.join(path, "manifest.pt"))
-
-
-def load_sharded(fsdp, optimizer, path, world_size):
-    manifest = torch.load(os.path.join(path, "manifest.pt"), weights_only=False)
-    if manifest["world_size"] != world_size or manifest["shard_sizes"] != [u.shard_size for u in fsdp.units]:
-        die(f"--resume_sharded: {path} was written by {manifest['world_size']} ranks for another model")
-    saved = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), map_location=fsdp.units[0].device)
-    for unit, state in zip(fsdp.units, saved):
-        with torch.no_grad():
-            unit.local_shard.copy_(state.pop("local_shard"))
-        if state:
-            optimizer.state[unit.local_shard] = state
-    return manifest["step"]
+    def describe(self):
+        return f"{num_params(self.model) / 1e6:.2f}M params, torch FSDP2 (fully_shard)"
 
 
 if __name__ == "__main__":

@@ -1,23 +1,24 @@
 """PP: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B), written by hand with send/recv.
 
-The n_layer blocks are cut into p*V equal stages, V ("virtual stages") per rank; rank r runs stages
-r, r+p, r+2p, ... . The first stage also holds wte/wpe, the last ln_f and lm_head. Memory per rank:
-about 16P/p (fp32 params + grads + AdamW) plus, on the last rank, a copy of the tied wte (lm_head).
-Each global batch (or gradient-accumulation chunk) is cut into M micro-batches. A micro-batch's
-activation (rows x T x C fp32 values) is sent to the next stage after its forward, and the gradient
-of that activation is sent back after the next stage's backward: per step 2*M*(p*V-1) messages of
-4*rows*T*C bytes, plus one all-reduce of the tied wte/lm_head gradient (4*vocab*C bytes) between
-the first and last rank. Nothing else moves: every rank holds only its own layers.
-
-The schedule decides the order of forwards (F) and backwards (B) on each rank:
+The n_layer blocks are cut into n_stages = pp_size * V equal stages, V ("virtual stages", chunks)
+per rank: rank r runs stages r, r + pp_size, ... . The first stage also holds wte/wpe, the last
+ln_f and lm_head. Every rank sees every row (no data parallelism): each micro-step's `micro` rows
+are cut into M micro-batches of micro/M rows, which flow through the stages.
+  memory per rank:  about 16P/pp_size (fp32 params + grads + AdamW), plus on the last rank a copy of
+                    the tied wte (lm_head); activations of the micro-batches between their F and B.
+  communication:    after a micro-batch's forward its activation (micro/M x T x C fp32, 4 bytes each)
+                    goes to the next stage, and its gradient comes back after that stage's backward:
+                    2*M*(n_stages-1) messages a micro-step; plus one all-reduce of the tied wte/lm_head
+                    gradient (4*vocab*C bytes) between the first and the last rank a step.
+The schedule orders the forwards (F) and backwards (B) of each rank:
   gpipe        all M forwards, then all M backwards: M micro-batches' activations live at once.
-  1f1b         p-r-1 warm-up forwards, then one forward one backward, then the rest of the backwards:
-               at most p micro-batches live, whatever M is.
+  1f1b         pp_size-r-1 warm-up forwards, then one forward one backward, then the remaining
+               backwards: at most pp_size micro-batches live, whatever M is.
   interleaved  1F1B over V chunks per rank (Megatron): the idle "bubble" shrinks by V, for V times
                more messages.
-Idle fraction with equal stages, (p-1)/(M+p-1) (divided by V when interleaved): --print_schedule
-prints the measured one next to it, with a timeline per rank, and the same formula for the measured
-stage times (the small model's last stage, with its 50304-wide head and loss, computes ~7x longer).
+Idle fraction with equal stages: (pp_size-1)/(M+pp_size-1), divided by V when interleaved;
+--print_schedule prints the measured one, a timeline per rank, and the same model of the schedule
+for the measured stage times.
 
 Run:
   python pp_train.py                                   # single process: one stage, the reference
@@ -27,6 +28,7 @@ Run:
            --rdzv-endpoint=HOST:29500 pp_train.py --n_layer 8  # 8 stages on 2 nodes (node_rank=1 on the other)
   torchrun --standalone --nproc_per_node=2 pp_train.py --implementation pytorch  # torch.distributed.pipelining
 """
+import itertools
 import os
 import statistics
 import time
@@ -35,14 +37,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
+from torch.autograd.graph import get_gradient_edge
 
-from common.checkpoint import resume, save_checkpoint, set_adamw_state
+from common.checkpoint import checkpoint, resume, set_adamw_state
 from common.config import check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import autocast, setup, setup_data, teardown
-from common.metrics import Metrics, optimizer_state_bytes, peak_mem_bytes, tensor_bytes
+from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
+from common.metrics import Metrics, Profiler, SavedActivations, model_state_bytes, timers
 from common.model import GPT, configure_optimizer, init_tensor
+
+WTE = "transformer.wte.weight"  # lm_head.weight is tied to it: the last stage holds a copy
 
 
 # ---- the strategy: stages, schedules, and the executor that runs them with send/recv ---------
@@ -71,7 +75,7 @@ class Stage(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight  # one stage: the tie is the same tensor
         with torch.no_grad():
             for name, p in self.named_parameters():  # the copy of wte starts from wte's values
-                p.copy_(value_of("transformer.wte.weight" if name == "lm_head.weight" else name, p.shape))
+                p.copy_(value_of(WTE if name == "lm_head.weight" else name, p.shape))
 
     def forward(self, x):  # token ids on the first stage, else the previous stage's activation
         if self.first:
@@ -109,86 +113,280 @@ def schedule_actions(schedule, rank, stages, microbatches, virtual=1):
     return [forward(k) for k in range(warmup)] + steady + [backward(k) for k in range(total - warmup, total)]
 
 
-def run_pipeline(chunks, actions, rank, p, x, y, loss_scale, stats, act_group, grad_group, args, device, t0=None):
-    """Run one rank's actions over the micro-batches x[i], y[i]. Returns the sum of this rank's
-    scaled micro-batch losses (non-zero on the last rank only) and, given t0, each action's measured
-    (op, microbatch, chunk, start, end). Without grad: forwards only. `stats` counts live activations.
-
-    Activations travel on act_group, their gradients on grad_group: two communicators, so a message
-    is matched only with its own kind (between ranks 0 and p-1 both kinds flow the same way when
-    interleaved), and in the same order as the sender sent it (schedules keep that order per kind).
-    Receives block (the data is needed now); sends are asynchronous, so no rank waits on a peer that
-    is itself waiting in a send. Shapes are fixed (rows x T x C), so no shape is ever exchanged."""
-    last, shape = p * len(chunks) - 1, (x[0].size(0), x[0].size(1), args.n_embd)
-    stash, sends, events = {}, [], []  # stash: (microbatch, chunk) -> (input, gradient edge of output)
-    total_loss = torch.zeros((), device=device)
-    for op, mb, c in actions:
-        s = c * p + rank  # this chunk's global stage
-        sends = [(w, t) for w, t in sends if not w.is_completed()]  # a delivered activation is freed here
-        if op == "F":
-            if s == 0:
-                inp = x[mb]
-            else:  # the previous stage's output for this micro-batch: 4*rows*T*C bytes from rank-1
-                inp = torch.empty(shape, device=device)
-                dist.recv(inp, src=(rank - 1) % p, group=act_group)
-                inp.requires_grad_(torch.is_grad_enabled())
-            start, saved = time.perf_counter(), {}  # storage -> bytes of the tensors autograd saves for B
-
-            def pack(t):
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return t
-            with saved_tensors_hooks(pack, lambda t: t):
-                with autocast(args, device):
-                    out = chunks[c](inp)
-                if s == last:
-                    out = F.cross_entropy(out.flatten(0, 1).float(), y[mb].flatten()) * loss_scale
-                    total_loss += out.detach()
-            if s != last:  # to the next stage: rank+1 (rank 0 again when the last rank's chunk c < V-1)
-                sends.append((dist.isend(out.detach(), dst=(rank + 1) % p, group=act_group), out.detach()))
-            if torch.is_grad_enabled():
-                # Keep the input (its gradient goes back) and only the output's autograd edge: the output
-                # tensor itself is freed once its send completes (the ops after it saved their own inputs).
-                stash[(mb, c)] = (inp, get_gradient_edge(out), sum(v for k, v in saved.items() if k not in stats["param_ptrs"]))
-                stats["live"] += stash[(mb, c)][2]
-                stats["peak_live_bytes"] = max(stats["peak_live_bytes"], stats["live"])
-                stats["peak_live_microbatches"] = max(stats["peak_live_microbatches"], len(stash))
-        else:
-            inp, edge, nbytes = stash.pop((mb, c))
-            grad = None
-            if s != last:  # d(loss)/d(our output) from the next stage: 4*rows*T*C bytes
-                grad = torch.empty(shape, device=device)
-                dist.recv(grad, src=(rank + 1) % p, group=grad_group)
-            start = time.perf_counter()
-            torch.autograd.backward(edge, grad)
-            if s != 0:  # d(loss)/d(our input) to the previous stage
-                sends.append((dist.isend(inp.grad, dst=(rank - 1) % p, group=grad_group), inp.grad))
-            stats["live"] -= nbytes
-            del inp, edge
-        if t0 is not None:
-            events.append((op, mb, c, start - t0, time.perf_counter() - t0))
-    for work, _ in sends:
-        work.wait()
-    return total_loss, events
-
-
-def sum_tied_gradient(chunks, rank, p, tied_group):
-    """wte (rank 0) and its copy lm_head (rank p-1) each got one part of the tied gradient: the
+def sum_tied_gradient(chunks, rank, pp_size, tied_group):
+    """wte (rank 0) and its copy lm_head (rank pp_size-1) each got one part of the tied gradient: the
     lookup's and the head's. Both ranks send their vocab x C fp32 gradient (4*vocab*C bytes) and
     receive the other's: after the sum both hold the full tied gradient, take identical AdamW steps
     and stay equal without ever sending the weight. One rank: the tie is one tensor already."""
-    if p > 1 and rank in (0, p - 1):
+    if pp_size > 1 and rank in (0, pp_size - 1):
         tied = chunks[0].transformer.wte.weight if rank == 0 else chunks[-1].lm_head.weight
         dist.all_reduce(tied.grad, group=tied_group)
 
 
-def print_timeline(events, p, m, V, schedule, width=96):
+class Pipeline:
+    """The strategy behind the few methods the training loop calls: this rank's chunks (Stages) and its
+    actions of the schedule, run over each micro-step's M micro-batches with send/recv."""
+
+    def __init__(self, config, args, device, state=None):
+        self.config, self.args, self.device = config, args, device
+        self.rank, self.pp_size, V, self.M = dist.get_rank(), dist.get_world_size(), args.virtual_stages, args.n_microbatches
+        self.n_stages = self.pp_size * V
+
+        def value_of(name, shape):  # this rank's tensors, by GPT name: from the full checkpoint, or GPT's init
+            return state[name] if state is not None else init_tensor(name, shape, config, args.seed)
+        self.chunks = [Stage(config, c * self.pp_size + self.rank, self.n_stages, value_of, device) for c in range(V)]
+        # Groups are made by every rank, in the same order. tied_group: the ranks holding wte and its copy.
+        ranks = list(range(self.pp_size))
+        self.act_group, self.grad_group = dist.new_group(ranks), dist.new_group(ranks)
+        self.tied_group = dist.new_group([0, self.pp_size - 1]) if self.pp_size > 1 else None
+        self.actions = schedule_actions(args.schedule, self.rank, self.pp_size, self.M, V)
+        self.dtype = torch.float32  # on the wire: the residual stream stays fp32 under bf16 autocast too
+
+    def named_parameters(self):
+        return [(n, q) for chunk in self.chunks for n, q in chunk.named_parameters()]
+
+    def configure_optimizer(self, args, state=None):
+        named = self.named_parameters()
+        optimizer = configure_optimizer(named, args.weight_decay, args.learning_rate, (args.beta1, args.beta2))
+        for n, q in named if state else ():  # the copy of wte takes wte's state: they get the same gradient
+            set_adamw_state(optimizer, q, state[WTE if n == "lm_head.weight" else n], lambda t: t.to(self.device, copy=True))
+        return optimizer
+
+    def forward_backward(self, x, y, sync):
+        """One micro-step: its rows cut into M micro-batches, run through this rank's actions. Returns the
+        micro-step's loss on the last rank (the mean of its micro-batches' losses), 0 elsewhere. sync=False
+        leaves the tied gradient's all-reduce to the last micro-step (gradient accumulation)."""
+        loss = self.run(self.actions, x.chunk(self.M), y.chunk(self.M))
+        if sync:
+            sum_tied_gradient(self.chunks, self.rank, self.pp_size, self.tied_group)
+        return loss
+
+    def stage_forward(self, c, inp, y):
+        """Chunk c's forward of one micro-batch; on the last stage its mean loss."""
+        with autocast(self.args, self.device):
+            out = self.chunks[c](inp)
+        if c * self.pp_size + self.rank == self.n_stages - 1:
+            out = F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
+        return out
+
+    def run(self, actions, xs, ys):
+        """Runs `actions` over the micro-batches xs[i], ys[i]; returns the mean of their losses on the
+        last stage, 0 elsewhere. Without grad (evaluation): forwards only.
+
+        Activations travel on act_group, their gradients on grad_group: two communicators, so a message
+        is matched only with its own kind (between ranks 0 and pp_size-1 both kinds flow the same way
+        when interleaved), and in the order the sender sent it (schedules keep that order per kind).
+        Receives block (the data is needed now); sends are asynchronous, so no rank waits on a peer that
+        is itself waiting in a send. Shapes are fixed (rows x T x C), so no shape is ever exchanged."""
+        shape, last, r, pp_size = (*xs[0].shape, self.config.n_embd), self.n_stages - 1, self.rank, self.pp_size
+        stash, sends = {}, []  # stash: (microbatch, chunk) -> (its input, the gradient edge of its output)
+        loss_sum = torch.zeros((), device=self.device)
+        for op, mb, c in actions:
+            s = c * pp_size + r  # this chunk's global stage
+            sends = [(w, t) for w, t in sends if not w.is_completed()]  # a delivered tensor is freed here
+            if op == "F":
+                inp = xs[mb] if s == 0 else torch.empty(shape, dtype=self.dtype, device=self.device)
+                if s > 0:  # the previous stage's output for this micro-batch: 4*rows*T*C bytes from rank r-1
+                    dist.recv(inp, src=(r - 1) % pp_size, group=self.act_group)
+                    inp.requires_grad_(torch.is_grad_enabled())
+                with timers("compute", label=(op, mb, c)):
+                    out = self.stage_forward(c, inp, ys[mb])
+                if s == last:
+                    loss_sum += out.detach() / len(xs)
+                    out = out / (len(xs) * self.args.grad_accum_steps)  # a micro-batch is 1/(M*A) of the step
+                else:  # to the next stage: rank r+1 (rank 0 again when the last rank's chunk c < V-1)
+                    sends.append((dist.isend(out.detach(), dst=(r + 1) % pp_size, group=self.act_group), out.detach()))
+                if torch.is_grad_enabled():
+                    # Keep the input (its gradient goes back) and only the output's autograd edge: the output
+                    # itself is freed once its send completes (the ops after it saved their own inputs).
+                    stash[(mb, c)] = (inp, get_gradient_edge(out))
+            else:
+                inp, edge = stash.pop((mb, c))
+                grad = None if s == last else torch.empty(shape, dtype=self.dtype, device=self.device)
+                if s != last:  # d(loss)/d(our output) from the next stage: 4*rows*T*C bytes
+                    dist.recv(grad, src=(r + 1) % pp_size, group=self.grad_group)
+                with timers("compute", label=(op, mb, c)):
+                    torch.autograd.backward(edge, grad)
+                if s != 0:  # d(loss)/d(our input) to the previous stage
+                    sends.append((dist.isend(inp.grad, dst=(r - 1) % pp_size, group=self.grad_group), inp.grad))
+                del inp, edge
+        for work, _ in sends:
+            work.wait()
+        return loss_sum
+
+    @torch.no_grad()
+    def eval_loss(self, x, y):
+        """Forwards only through the pipeline: the loss on the last rank, 0 elsewhere."""
+        for chunk in self.chunks:
+            chunk.eval()
+        loss = self.run([a for a in self.actions if a[0] == "F"], x.chunk(self.M), y.chunk(self.M))
+        for chunk in self.chunks:
+            chunk.train()
+        return loss
+
+    def clip_grad_norm_(self, max_norm):
+        # Each rank holds its own stages' gradients: their squares are summed over all ranks (4 bytes).
+        # The copy of wte (lm_head on the last rank) is left out so the tied weight counts once, but clipped.
+        named = self.named_parameters()
+        norm = clip_grad_norm_([q.grad for n, q in named if n != "lm_head.weight"], [], 0)  # 0: only measure
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_([q for _, q in named], max_norm, norm)
+        return norm
+
+    def full_state(self, optimizer):
+        """Every rank sends its tensors and their AdamW state, by GPT name, to rank 0 (gather_object:
+        the whole model once over the wire), which assembles the full format. The copy of wte is not
+        sent: lm_head.weight is written from wte, as in a tied GPT's state_dict."""
+        named = [(n, q) for n, q in self.named_parameters() if n != "lm_head.weight"]
+        mine = ({n: q.detach().cpu() for n, q in named},
+                {n: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in optimizer.state[q].items()}
+                 for n, q in named if q in optimizer.state})
+        gathered = [None] * self.pp_size if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if self.rank != 0:
+            return None, None
+        params = {n: t for g in gathered for n, t in g[0].items()}
+        model = {k: params[WTE if k == "lm_head.weight" else k] for k in GPT(self.config, device="meta").state_dict()}
+        return model, {n: s for g in gathered for n, s in g[1].items()}
+
+    def describe(self):
+        per, last = self.config.n_layer // self.n_stages, self.n_stages - 1
+        return f"{self.args.schedule} schedule, {self.M} micro-batches a micro-step" + "".join(
+            f"\n  stage {s} (rank {s % self.pp_size}): " + ("wte, wpe, " if s == 0 else "")
+            + f"blocks {s * per}-{s * per + per - 1}" + (", ln_f, lm_head" if s == last else "") for s in range(self.n_stages))
+
+
+def add_pp_flags(group):
+    group.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
+    group.add_argument("--n_microbatches", type=int, default=4, help="micro-batches per micro-step (accumulation chunk)")
+    group.add_argument("--virtual_stages", type=int, default=None, help="chunks per rank, interleaved only (default 2)")
+    group.add_argument("--print_schedule", action="store_true", help="custom only: time every step; print the last one's timeline and the bubble")
+
+
+def check_pp_args(args, world_size):
+    """Bad input ends every rank with one line, before anything is built. Returns the DP size: 1 (every
+    rank runs every row, through its own stages)."""
+    pp_size = world_size  # one stage (V chunks) per rank: no data parallelism here
+    if args.virtual_stages is not None and args.schedule != "interleaved":
+        die(f"--virtual_stages: only with --schedule interleaved (got --schedule {args.schedule})")
+    V = args.virtual_stages = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
+    if V <= 0 or args.n_microbatches <= 0:
+        die(f"--{'virtual_stages' if V <= 0 else 'n_microbatches'}: must be > 0")
+    if pp_size == 1 and args.schedule == "interleaved":  # chunk 0 would send to chunk 1 on its own rank
+        die("--schedule: interleaved needs at least 2 ranks (run under torchrun --nproc_per_node >= 2)")
+    if args.n_layer % (pp_size * V):
+        die(f"--n_layer: {args.n_layer} layers must be divisible by stages ({pp_size} ranks) x --virtual_stages ({V})")
+    check_batch_split(args, 1)
+    if (args.batch_size // args.grad_accum_steps) % args.n_microbatches:
+        die(f"--n_microbatches: {args.batch_size // args.grad_accum_steps} rows per micro-step (--batch_size / "
+            f"--grad_accum_steps) must be divisible by --n_microbatches ({args.n_microbatches})")
+    if args.schedule == "interleaved" and args.n_microbatches % pp_size:
+        die(f"--n_microbatches: must be a multiple of the number of ranks ({pp_size}) for --schedule interleaved")
+    return 1
+
+
+# ---- training ----------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args("pp", add_pp_flags, argv)
+    D = check_pp_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    rank, world_size, device = setup(args)
+    setup_data(args)
+    ckpt = resume(args)  # None, or a full checkpoint written by any script at any world size
+    config = gpt_config(args)
+    B, T, A = args.batch_size, args.block_size, args.grad_accum_steps
+    dp_rank, rows, micro = rank * D // world_size, B // D, B // D // A  # rows per DP rank; per micro-step
+    mine = slice(dp_rank * rows, (dp_rank + 1) * rows)  # this rank's rows of every global batch
+
+    model = (Pipeline if args.implementation == "custom" else TorchPipeline)(config, args, device, ckpt and ckpt["model"])
+    optimizer = model.configure_optimizer(args, ckpt and ckpt["optimizer"])
+    start = ckpt["step"] if ckpt else 0
+    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
+    if rank == 0:
+        print(f"pp ({args.implementation}): {world_size} rank(s) on {device}; global batch {B} x {T} tokens, "
+              f"{A} micro-step(s) of {micro} rows; {model.describe()}", flush=True)
+
+    @torch.no_grad()
+    def evaluate():
+        """Mean loss over eval_iters fixed batches per split, forwards only through the pipeline: the
+        last stage computes it and broadcasts it to every rank."""
+        out = {}
+        for split in ("train", "val"):
+            total = torch.zeros((), device=device)
+            for k in range(args.eval_iters):
+                x, y = get_batch(split, k, B, T, args.seed + 1, args.dataset)
+                total += model.eval_loss(x[mine].to(device), y[mine].to(device))
+            dist.broadcast(total, src=world_size - 1)  # 4 bytes from the last stage to every rank
+            out[split] = total.item() / args.eval_iters
+        return out
+
+    # ---- training loop -------------------------------------------------------------------
+    profiler, schedule_report = Profiler(args, rank), ScheduleReport(args, model)
+    for step in range(start, args.max_iters):
+        if args.eval_interval and step % args.eval_interval == 0:
+            metrics.eval(step, evaluate())
+        schedule_report.start_step()
+        t0 = time.perf_counter()
+        lr = get_lr(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = get_batch("train", step, B, T, args.seed, args.dataset)
+        x, y = x[mine].to(device), y[mine].to(device)
+        loss_sum = torch.zeros((), device=device)
+        for j in range(A):  # gradients are synchronised on the last micro-step only
+            loss_sum += model.forward_backward(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro], j == A - 1)
+        # Logged loss: the mean over all B*T tokens of the global batch (equal chunks: mean of means),
+        # computed by the last stage: 4 bytes from it to every rank.
+        loss_sum /= A
+        dist.broadcast(loss_sum, src=world_size - 1)
+        norm = model.clip_grad_norm_(args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # zero in place: gradients that are views stay views
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, time.perf_counter() - t0, device, args.log_interval)
+        profiler.step()
+        schedule_report.end_step()
+        if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
+            checkpoint(step + 1, model, optimizer, config, args)
+    profiler.stop()
+
+    if args.eval_interval:
+        metrics.eval(args.max_iters, evaluate())
+    checkpoint(args.max_iters, model, optimizer, config, args)
+    metrics.summary(model_state_bytes(optimizer), device, **schedule_report.summary())
+    metrics.close()
+
+
+# ---- measurement: the schedule's timeline, bubble and live activations ---------------------
+
+def peak_live(actions, size=lambda chunk: 1):
+    """The most a schedule holds between forwards and their backwards (max over its prefixes): live
+    micro-batches, or bytes with size(chunk) = what one micro-batch's forward through that chunk saves."""
+    return max(itertools.accumulate(size(c) if op == "F" else -size(c) for op, _, c in actions))
+
+
+def activation_bytes(model, rows, T):
+    """Bytes autograd saves for one micro-batch's forward through each chunk of this rank, measured on a
+    zero batch (token ids on the first stage, else an activation); the meter leaves parameters out."""
+    sizes, ids = [], torch.zeros(rows, T, dtype=torch.long, device=model.device)
+    for c in range(len(model.chunks)):
+        inp = ids if c == 0 and model.rank == 0 else torch.zeros(
+            rows, T, model.config.n_embd, dtype=model.dtype, device=model.device, requires_grad=True)
+        with SavedActivations() as meter:
+            model.stage_forward(c, inp, ids.clone())  # targets: a storage of their own, as in training
+        sizes.append(meter.bytes)
+    return sizes
+
+
+def print_timeline(spans, V, width=96):
     """ASCII timeline of one measured step: one row per rank, each action drawn over its measured
     time ('F3' = forward of micro-batch 3; chunk letter a, b, .. when interleaved), '.' = idle."""
-    end = max(e[4] for rank_events in events for e in rank_events)
+    end = max(t1 for rank_spans in spans for _, _, t1 in rank_spans)
     print(f"timeline of the last step ({end * 1000:.1f} ms, {width} columns):")
-    for rank, rank_events in enumerate(events):
+    for rank, rank_spans in enumerate(spans):
         line = ["."] * width
-        for op, mb, c, t0, t1 in rank_events:
+        for (op, mb, c), t0, t1 in rank_spans:
             a = min(int(t0 / end * width), width - 1)
             b = max(a + 1, int(t1 / end * width))
             label = f"{op}{mb}{'abcdefghij'[c] if V > 1 else ''}" + "-" * width
@@ -196,208 +394,90 @@ def print_timeline(events, p, m, V, schedule, width=96):
         print(f"  rank {rank} |{''.join(line[:width])}|")
 
 
-def bubble_fraction(events):
+def bubble_fraction(spans):
     """Mean over ranks of the idle fraction of the step (the time not spent in an F or B)."""
-    end = max(e[4] for rank_events in events for e in rank_events)
-    return statistics.mean(1 - sum(t1 - t0 for *_, t0, t1 in rank_events) / end for rank_events in events)
+    end = max(t1 for rank_spans in spans for _, _, t1 in rank_spans)
+    return statistics.mean(1 - sum(t1 - t0 for _, t0, t1 in rank_spans) / end for rank_spans in spans)
 
 
-def pytorch_schedule(chunks, rank, p, args, device, loss_scale, group):
-    """torch.distributed.pipelining's version of the same stages and schedule. Its loss_fn sees one
-    micro-batch's logits; scale_grads=False because it would divide the accumulated .grad of earlier
-    gradient-accumulation chunks too: the loss is pre-scaled like ours instead."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-    stages = [PipelineStage(chunk, c * p + rank, p * len(chunks), device, group=group) for c, chunk in enumerate(chunks)]
+class ScheduleReport:
+    """--print_schedule: each step starts on every rank at once (a barrier), every F and B is a span of
+    timers("compute"), and each step's spans are gathered from all ranks; at the end rank 0 prints the
+    last step's timeline and the bubble. The summary gets the schedule's peak live micro-batches and
+    activation bytes per rank (hand-written executor only: PyTorch's schedules are its own)."""
 
-    def loss_fn(logits, targets):
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) * loss_scale
-    if args.schedule == "interleaved":
-        return ScheduleInterleaved1F1B(stages, args.n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
-    return schedule(stages[0], args.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    def __init__(self, args, model):
+        self.args, self.model, self.steps = args, model, []  # steps: per step, every rank's spans
+        timers.keep_spans = args.print_schedule
 
+    def start_step(self):
+        if self.args.print_schedule:
+            dist.barrier()
+            timers.start_step()  # the spans' clock starts here, together on every rank
 
-def add_pp_flags(group):
-    group.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
-    group.add_argument("--n_microbatches", type=int, default=4, help="micro-batches per batch (per accumulation chunk)")
-    group.add_argument("--virtual_stages", type=int, default=None, help="chunks per rank, interleaved only (default 2)")
-    group.add_argument("--print_schedule", action="store_true", help="custom only: time every step; print the last one's timeline and the bubble")
+    def end_step(self):
+        if self.args.print_schedule:
+            self.steps.append([None] * dist.get_world_size())
+            dist.all_gather_object(self.steps[-1], timers.last_spans)
 
-
-# ---- setup -------------------------------------------------------------------------------
-
-def main(argv=None):
-    args = parse_args("pp", add_pp_flags, argv)
-    p = int(os.environ.get("WORLD_SIZE", 1))  # one stage per rank: no data parallelism here
-    if args.virtual_stages is not None and args.schedule != "interleaved":
-        die(f"--virtual_stages: only with --schedule interleaved (got --schedule {args.schedule})")
-    V = args.virtual_stages = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
-    if V <= 0 or args.n_microbatches <= 0:
-        die(f"--{'virtual_stages' if V <= 0 else 'n_microbatches'}: must be > 0")
-    if p == 1 and args.schedule == "interleaved":  # chunk 0 would send to chunk 1 on its own rank
-        die("--schedule: interleaved needs at least 2 ranks (run under torchrun --nproc_per_node >= 2)")
-    if args.n_layer % (p * V):
-        die(f"--n_layer: {args.n_layer} layers must be divisible by stages ({p} ranks) x --virtual_stages ({V})")
-    check_batch_split(args, 1)
-    if (args.batch_size // args.grad_accum_steps) % args.n_microbatches:
-        die(f"--n_microbatches: {args.batch_size // args.grad_accum_steps} rows per accumulation chunk (--batch_size / "
-            f"--grad_accum_steps) must be divisible by --n_microbatches ({args.n_microbatches})")
-    if args.schedule == "interleaved" and args.n_microbatches % p:
-        die(f"--n_microbatches: must be a multiple of the number of stages ({p}) for --schedule interleaved")
-    rank, world_size, device = setup(args)
-    setup_data(args)
-    ckpt = resume(args)  # None, or a full checkpoint written by any script at any world size
-    config = gpt_config(args)
-    B, T, A, M = args.batch_size, args.block_size, args.grad_accum_steps, args.n_microbatches
-    micro, rows = B // A, B // A // M  # rows per accumulation chunk; rows per micro-batch
-
-    def value_of(name, shape):  # this rank's tensors, by GPT name: from the full checkpoint, or GPT's init
-        return ckpt["model"][name] if ckpt else init_tensor(name, shape, config, args.seed)
-    chunks = [Stage(config, c * p + rank, p * V, value_of, device) for c in range(V)]
-    # Groups are made by every rank, in the same order. tied_group: the ranks holding wte and its copy.
-    act_group, grad_group = dist.new_group(list(range(p))), dist.new_group(list(range(p)))
-    tied_group = dist.new_group([0, p - 1]) if p > 1 else None
-    named = [(n, q) for chunk in chunks for n, q in chunk.named_parameters()]
-    optimizer = configure_optimizer(named, args.weight_decay, args.learning_rate, (args.beta1, args.beta2))
-    start = ckpt["step"] if ckpt else 0
-    if ckpt:  # the copy of wte (lm_head) takes wte's AdamW state: the two get the same summed gradient
-        for n, q in named:
-            set_adamw_state(optimizer, q, ckpt["optimizer"]["transformer.wte.weight" if n == "lm_head.weight" else n],
-                            lambda t: t.to(device, copy=True))
-    loss_scale = 1.0 / (A * M)  # each micro-batch's mean loss counts 1/(A*M) of the batch mean
-    schedule = pytorch_schedule(chunks, rank, p, args, device, loss_scale, None) if args.implementation == "pytorch" else None
-    actions = schedule_actions(args.schedule, rank, p, M, V)
-    stats = dict(live=0, peak_live_bytes=0, peak_live_microbatches=0,
-                 param_ptrs={q.untyped_storage().data_ptr() for _, q in named})
-    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
-    plans = [None] * world_size
-    dist.all_gather_object(plans, [f"stage {c * p + rank} (rank {rank}): " + ", ".join(
-        (["wte", "wpe"] if ch.first else []) + [f"blocks {ch.blocks[0]}-{ch.blocks[-1]}"] + (["ln_f", "lm_head"] if ch.last else []))
-        for c, ch in enumerate(chunks)])
-    if rank == 0:
-        print(f"pp ({args.implementation}, {args.schedule}): {p} rank(s) x {V} chunk(s) on {device}, global batch "
-              f"{B} x {T} tokens, {A} accumulation chunk(s) of {M} micro-batches of {rows} rows", flush=True)
-        for line in sorted((s for plan in plans for s in plan), key=lambda s: int(s.split()[1])):
-            print("  " + line, flush=True)
-
-    @torch.no_grad()
-    def evaluate():
-        """Mean loss over eval_iters fixed batches per split, forwards only through the pipeline
-        (both implementations); the last rank's loss is broadcast to all."""
-        for chunk in chunks:
-            chunk.eval()
-        out = {}
-        forwards = [a for a in actions if a[0] == "F"]
-        for split in ("train", "val"):
-            total = torch.zeros((), device=device)
-            for k in range(args.eval_iters):
-                x, y = get_batch(split, k, B, T, args.seed + 1, args.dataset)
-                loss, _ = run_pipeline(chunks, forwards, rank, p, x.to(device).chunk(M), y.to(device).chunk(M),
-                                       1.0 / M, stats, act_group, grad_group, args, device)
-                total += loss
-            dist.broadcast(total, src=p - 1)  # 4 bytes from the last stage, which computed the loss
-            out[split] = total.item() / args.eval_iters
-        for chunk in chunks:
-            chunk.train()
-        return out
-
-    # ---- training loop -------------------------------------------------------------------
-    bubbles, busy, events = [], [], None  # busy: per step, each rank's ms in F and B
-    for step in range(start, args.max_iters):
-        if args.eval_interval and step % args.eval_interval == 0:
-            metrics.eval(step, evaluate())
-        if args.print_schedule:
-            dist.barrier()  # every rank starts the step's clock together
-        t0 = time.perf_counter()
-        lr = get_lr(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = get_batch("train", step, B, T, args.seed, args.dataset)  # every stage knows the shapes
-        x, y = x.to(device), y.to(device)
-        loss_sum, events = torch.zeros((), device=device), []
-        for j in range(A):
-            xj, yj = x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro]
-            if schedule is None:
-                loss, ev = run_pipeline(chunks, actions, rank, p, xj.chunk(M), yj.chunk(M), loss_scale, stats,
-                                        act_group, grad_group, args, device, t0 if args.print_schedule else None)
-                loss_sum += loss
-                events += ev
-            else:
-                losses = []
-                with autocast(args, device):
-                    schedule.step(*([xj] if rank == 0 else []), **(dict(target=yj, losses=losses) if rank == p - 1 else {}))
-                if losses:
-                    loss_sum += torch.stack(losses).sum().detach()
-        # The logged loss: the last stage's sum of the A*M pre-scaled micro-batch means (4 bytes to all).
-        dist.broadcast(loss_sum, src=p - 1)
-        sum_tied_gradient(chunks, rank, p, tied_group)
-        # The pinned global norm: each rank's sum of squares (the copy of wte left out, so the tied
-        # weight counts once), summed over all ranks (4 bytes each).
-        grads = [q.grad for n, q in named if n != "lm_head.weight"]
-        norm = torch.stack([(g.float() * g.float()).sum() for g in grads]).sum()
-        dist.all_reduce(norm)
-        norm = norm.sqrt()
-        if args.grad_clip > 0:
-            clip = (args.grad_clip / (norm + 1e-6)).clamp(max=1.0)
-            for _, q in named:
-                q.grad.mul_(clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, time.perf_counter() - t0, device, args.log_interval)
-        if args.print_schedule and schedule is None:
-            all_events = [None] * world_size
-            dist.all_gather_object(all_events, events)
-            bubbles.append(bubble_fraction(all_events))
-            busy.append([1000 * sum(t1 - t0 for *_, t0, t1 in rank_events) for rank_events in all_events])
-            events = all_events
-        if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
-            checkpoint(chunks, optimizer, step + 1, config, args, rank)
-
-    if args.eval_interval:
-        metrics.eval(args.max_iters, evaluate())
-    checkpoint(chunks, optimizer, args.max_iters, config, args, rank)
-    theory = (p - 1) / (M + p - 1) / V
-    busy = [statistics.median(ms) for ms in zip(*busy)]  # per rank: ms of F and B per step
-    # The theory assumes equal stages. With the measured ones: the slowest stage computes throughout and
-    # every other stage adds one micro-batch's (chunk's) share to fill and drain the pipeline, so a step
-    # takes max(S) + (sum(S) - max(S)) / (m V) (equal stages: (p-1)/(mV+p-1), the theory for V = 1).
-    staged = 1 - sum(busy) / (p * (max(busy) + (sum(busy) - max(busy)) / (M * V))) if busy else None
-    if rank == 0 and bubbles:
-        print_timeline(events, p, M, V, args.schedule)
-        print(f"bubble: measured {statistics.median(bubbles):.1%} (median of {len(bubbles)} steps, mean over ranks), "
-              f"theory {theory:.1%} = (p-1)/(m+p-1){'/V' if V > 1 else ''} with p={p}, m={M}" + (f", V={V}" if V > 1 else ""))
-        print(f"  the theory assumes equal stages; measured F+B ms per step and rank: {[round(b) for b in busy]}, "
-              f"for which the same model of the schedule gives {staged:.1%}")
-    state_bytes = tensor_bytes(q for _, q in named) + tensor_bytes(q.grad for _, q in named) + optimizer_state_bytes(optimizer)
-    per_rank = [None] * world_size
-    dist.all_gather_object(per_rank, (state_bytes, peak_mem_bytes(device), stats["peak_live_microbatches"], stats["peak_live_bytes"]))
-    extra = dict(peak_live_microbatches_per_rank=[r[2] for r in per_rank], peak_activation_bytes_per_rank=[r[3] for r in per_rank])
-    if bubbles:
-        extra.update(bubble_measured=statistics.median(bubbles), bubble_theory=theory, bubble_for_stage_times=staged,
-                     compute_ms_per_rank=[round(b, 1) for b in busy])
-    metrics.summary([r[0] for r in per_rank], [r[1] for r in per_rank], **extra)
-    metrics.close()
+    def summary(self):
+        """Prints the timeline and bubble (rank 0); returns this rank's values for metrics.summary."""
+        args, model, extra = self.args, self.model, {}
+        if args.implementation == "custom":
+            size = activation_bytes(model, args.batch_size // args.grad_accum_steps // model.M, args.block_size)
+            extra = dict(peak_live_microbatches=peak_live(model.actions),
+                         peak_activation_bytes=peak_live(model.actions, lambda c: size[c]))
+        if not self.steps or not all(self.steps[-1]):  # no --print_schedule, or PyTorch's (untimed) schedule
+            return extra
+        pp_size, M, V = model.pp_size, model.M, args.virtual_stages
+        bubbles = [bubble_fraction(spans) for spans in self.steps]
+        busy = [statistics.median(1000 * sum(t1 - t0 for _, t0, t1 in spans[r]) for spans in self.steps) for r in range(pp_size)]
+        theory = (pp_size - 1) / (M + pp_size - 1) / V
+        # The theory assumes equal stages. With the measured ones: the slowest stage computes throughout and
+        # every other stage adds one micro-batch's (chunk's) share to fill and drain the pipeline, so a step
+        # takes max(S) + (sum(S) - max(S)) / (M V) (equal stages: (pp_size-1)/(M V+pp_size-1)).
+        staged = 1 - sum(busy) / (pp_size * (max(busy) + (sum(busy) - max(busy)) / (M * V)))
+        if model.rank == 0:
+            print_timeline(self.steps[-1], V)
+            print(f"bubble: measured {statistics.median(bubbles):.1%} (median of {len(bubbles)} steps, mean over ranks), "
+                  f"theory {theory:.1%} = (p-1)/(m+p-1){'/V' if V > 1 else ''} with p={pp_size}, m={M}"
+                  + (f", V={V}" if V > 1 else ""))
+            print(f"  the theory assumes equal stages; measured F+B ms per step and rank: {[round(b) for b in busy]}, "
+                  f"for which the same model of the schedule gives {staged:.1%}")
+        return dict(extra, run=dict(bubble_measured=statistics.median(bubbles), bubble_theory=theory,
+                                    bubble_for_stage_times=staged))
 
 
-def checkpoint(chunks, optimizer, step, config, args, rank):
-    """Every rank sends its tensors and their AdamW state, by GPT name, to rank 0 (gather_object:
-    the whole model once over the wire), which assembles the full format; save_checkpoint writes it
-    (collective: it also gathers every rank's RNG state). The copy of wte is skipped: lm_head.weight
-    is written from wte, as in a tied GPT's state_dict."""
-    named = [(n, q) for chunk in chunks for n, q in chunk.named_parameters() if n != "lm_head.weight"]
-    mine = ({n: q.detach().cpu() for n, q in named},
-            {n: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in optimizer.state[q].items()}
-             for n, q in named if q in optimizer.state})
-    gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    model = state = None
-    if rank == 0:
-        params = {n: t for g in gathered for n, t in g[0].items()}
-        model = {k: params["transformer.wte.weight" if k == "lm_head.weight" else k] for k in GPT(config, device="meta").state_dict()}
-        state = {n: s for g in gathered for n, s in g[1].items()}
-    save_checkpoint(model, state, step, config, args)
+# ---- PyTorch's own pipeline, behind the same methods ---------------------------------------
+
+class TorchPipeline(Pipeline):
+    """torch.distributed.pipelining: a PipelineStage around each of the same chunks (its own send/recv)
+    and ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B. Evaluation, the tied gradient,
+    clipping and checkpoints are Pipeline's: the chunks underneath are the same."""
+
+    def __init__(self, config, args, device, state=None):
+        super().__init__(config, args, device, state)
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        stages = [PipelineStage(chunk, c * self.pp_size + self.rank, self.n_stages, device)
+                  for c, chunk in enumerate(self.chunks)]
+        scale = 1.0 / (args.grad_accum_steps * self.M)
+
+        # Its loss_fn sees one micro-batch's logits. scale_grads=False: it would divide the accumulated
+        # .grad of earlier micro-steps too; the loss is pre-scaled like ours instead.
+        def loss_fn(logits, targets):
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) * scale
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[args.schedule]
+        self.schedule = schedule(stages if args.schedule == "interleaved" else stages[0], self.M, loss_fn=loss_fn,
+                                 scale_grads=False)
+
+    def forward_backward(self, x, y, sync):
+        first, last, losses = self.rank == 0, self.rank == self.pp_size - 1, []
+        with autocast(self.args, self.device):
+            self.schedule.step(*([x] if first else []), **(dict(target=y, losses=losses) if last else {}))
+        if sync:
+            sum_tied_gradient(self.chunks, self.rank, self.pp_size, self.tied_group)
+        # its losses are pre-scaled by 1/(A*M): their sum times A is the micro-step's mean loss
+        return torch.stack(losses).sum().detach() * self.args.grad_accum_steps if last else torch.zeros((), device=self.device)
 
 
 if __name__ == "__main__":

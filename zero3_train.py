@@ -1,45 +1,30 @@
-"""ZeRO-3 (DeepSpeed style): every parameter tensor is owned whole by one rank, written by hand.
+"""ZeRO-3 (DeepSpeed style), written by hand: every parameter tensor is owned whole by one rank.
 
-The parameter tensors are partitioned over the N ranks whole (inter-tensor; FSDP instead slices every
-tensor, see fsdp_train.py): the owner of a tensor alone keeps its fp32 value, its gradient and its
-AdamW state, so the model state per rank is about 16P/N bytes (how close depends on the partition:
-greedy, largest tensor first onto the least-loaded rank, so the most-loaded rank holds at most
-P/N + the largest tensor; the small preset's tied 50304 x 128 embedding is 88% of P, so at 2 ranks
-one rank holds it and the other the rest). Tensors of fewer than --persistence_threshold elements
-(e.g. 1024: biases, LayerNorms) stay replicated on every rank like in DDP (16 bytes each everywhere);
-the default 0 partitions everything: keeping them persistent was not faster on CPU/gloo (small
-preset, 2 ranks, 30 steps, alternating runs: 1787/1717 tok/s with 1024 vs 1826/1750 with 0).
-
-  forward:  before each module runs, every tensor it needs is broadcast from its owner into a buffer
-            (4 bytes x numel, owner -> all; one message per owner of the module's tensors); the next
-            module's broadcasts are already in flight (--prefetch); after the module, non-owners free
-            the buffers, unless the tensor is used again soon (--max_reuse_distance: the tied wte).
-  backward: the same, in reverse: the buffers are fetched again before a module's backward and freed
-            after it. Each gradient goes to its owner with an async dist.reduce as soon as autograd
-            has accumulated it; non-owners free it once the reduce is done; the owner divides by N.
-  step:     AdamW over the owned (and persistent) tensors only; global grad norm from an all-reduce of
-            each rank's squared norm of its owned gradients.
-
-Communication per micro-step: 2 broadcasts + 1 reduce of every partitioned tensor (4 bytes x numel
-each), except the position embedding: a lookup's backward reads no weight, so wpe is broadcast once.
-The tied wte/lm_head is one tensor, broadcast for the embedding and kept for the head (whose backward
-reuses the buffer; with --max_reuse_distance 0, broadcast again for the head), and reduced once with
-the sum of both uses. Persistent tensors'
-gradients accumulate locally and are all-reduced once per optimizer step.
-Gradient accumulation: partitioned gradients are reduced to the owner on EVERY micro-step (the owner
-accumulates; a non-owner would otherwise have to keep a full gradient, 4P bytes, between micro-steps).
+The tensors are partitioned whole over the N ranks (FSDP instead slices every tensor): a tensor's
+owner alone keeps its fp32 value, gradient and AdamW state. The partition is greedy, largest tensor
+first onto the least-loaded rank, so no rank owns more than P/N + the largest tensor. Tensors of
+fewer than --persistence_threshold elements stay replicated on every rank as in DDP (default 0: none).
+  memory per rank:  16P/N bytes (owned params, grads, AdamW state) + 16 bytes per persistent element
+                    + the non-owned tensors fetched at the moment (a module or two)
+  forward:   before each module its tensors are broadcast from their owners (one message per owner),
+             the next module's already in flight (--prefetch); after it the non-owners free them,
+             unless used again soon (--max_reuse_distance: the tied wte, kept until the head).
+  backward:  fetched again before each module's backward and freed after it; each gradient goes to
+             its owner with an async reduce as soon as it is accumulated, on every micro-step (so a
+             non-owner keeps no gradient), and the owner divides the sum by N. Persistent gradients
+             accumulate locally and are all-reduced once per optimizer step.
+  communication per micro-step: 2 broadcasts + 1 reduce of 4P bytes, less one broadcast of wpe (a
+             lookup's backward reads no weight) and of the tied wte/lm_head (one tensor: fetched for
+             the embedding and kept for the head, reduced once with both uses summed).
 
 Run:
   python zero3_train.py                                   # single process: everything owned by rank 0
   torchrun --standalone --nproc_per_node=2 zero3_train.py # 2 ranks (2 GPUs, or 2 CPU processes)
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv-backend=c10d \\
            --rdzv-endpoint=HOST:29500 zero3_train.py       # 2 nodes x 8 GPUs (node_rank=1 on the other)
-  torchrun --standalone --nproc_per_node=2 zero3_train.py --implementation pytorch
-PyTorch has no whole-tensor ZeRO-3; --implementation pytorch runs its own ZeRO-3, FSDP2
-(torch.distributed.fsdp.fully_shard on every block and on the root: intra-tensor shards), in the same loop.
+  python zero3_train.py --implementation pytorch          # FSDP2 (fully_shard): PyTorch's own ZeRO-3
 """
 import os
-import statistics
 import time
 
 import torch
@@ -49,11 +34,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from common.checkpoint import resume, save_checkpoint, set_adamw_state
+from common.checkpoint import checkpoint, resume, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import autocast, setup, setup_data, teardown
-from common.metrics import Metrics, peak_mem_bytes
+from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
+from common.metrics import Metrics, Profiler, model_state_bytes, timers
 from common.model import GPT, configure_optimizer, init_tensor, num_params
 
 
@@ -111,15 +96,12 @@ class Zero3:
         self.units = [model.transformer.wte, model.transformer.wpe, *model.transformer.h,
                       model.transformer.ln_f, model.lm_head]
         # One broadcast per (module, owner): that owner's tensors of the module are views of one flat
-        # buffer, so a block costs one message per owner, not one per tensor (gloo, 2 ranks: a block's 12
-        # tensors one by one took 3.3 ms, the same 1.2 MB in one message 0.5 ms).
+        # buffer, so a block costs one message per owner, not one per tensor (far less latency).
         self.buffers, self.unit_buffers = [], []  # [(flat buffer, owner)]; per module: indices into it
         for unit in self.units:
-            by_owner = {}
-            for p in unit.parameters():
-                if self.owner[p] is not None:
-                    by_owner.setdefault(self.owner[p], []).append(p)
-            self.unit_buffers.append([self._buffer(ps, r) for r, ps in sorted(by_owner.items())])
+            owners = sorted({self.owner[p] for p in unit.parameters()} - {None})
+            self.unit_buffers.append([self._buffer([p for p in unit.parameters() if self.owner[p] == r], r)
+                                      for r in owners])
         # DeepSpeed's stage3_max_reuse_distance: after a module's forward, a buffer that a later module
         # uses again within this many fetched elements stays (the tied wte, from the embedding to the
         # head: 1 broadcast per micro-step instead of 2, for holding 4 x 50304 x C bytes meanwhile).
@@ -129,16 +111,15 @@ class Zero3:
             if sum(sizes[i + 1:j]) <= max_reuse_distance:
                 self.keep[i] |= set(self.unit_buffers[i]) & set(self.unit_buffers[j])
         # an embedding lookup's backward reads no weight: only the others are fetched again for backward
-        self.backward_order = [i for i in reversed(range(len(self.units))) if not isinstance(self.units[i], nn.Embedding)]
-        self.fetched = {}   # buffer index -> in-flight broadcast work, or None once it has arrived
-        self.reduces = []   # (parameter, in-flight reduce / all-reduce work)
-        self.sync_persistent = True
-        self.wait_s = {"broadcast": 0.0, "reduce": 0.0}  # exposed communication (what overlap did not hide)
+        self.forward_order = list(range(len(self.units)))
+        self.backward_order = [i for i in reversed(self.forward_order) if not isinstance(self.units[i], nn.Embedding)]
+        self.fetched = {}  # buffer index -> in-flight broadcast work, or None once it has arrived
+        self.reduces, self.sync_persistent = [], True  # reduces: (parameter, in-flight reduce/all-reduce)
         for i, unit in enumerate(self.units):
-            unit.register_forward_pre_hook(lambda m, inputs, i=i: self._before_forward(i))
+            unit.register_forward_pre_hook(lambda m, inputs, i=i: self._before(i, self.forward_order))
             unit.register_forward_hook(lambda m, inputs, out, i=i: self._after_forward(i))
             if i in self.backward_order:
-                unit.register_full_backward_pre_hook(lambda m, grad_out, i=i: self._before_backward(i))
+                unit.register_full_backward_pre_hook(lambda m, grad_out, i=i: self._before(i, self.backward_order))
                 unit.register_full_backward_hook(lambda m, grad_in, grad_out, i=i: self._free(i))
         for p in self.owner:
             p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -176,12 +157,11 @@ class Zero3:
             self.fetched[b] = dist.broadcast(flat.data, src=owner, async_op=True)
 
     def _wait(self, i):
-        t0 = time.perf_counter()
-        for b in self.unit_buffers[i]:
-            if self.fetched[b] is not None:
-                self.fetched[b].wait()
-                self.fetched[b] = None
-        self.wait_s["broadcast"] += time.perf_counter() - t0
+        with timers("broadcast_wait"):  # exposed communication: what the overlap did not hide
+            for b in self.unit_buffers[i]:
+                if self.fetched[b] is not None:
+                    self.fetched[b].wait()
+                    self.fetched[b] = None
 
     def _free(self, i, keep=()):
         for b in (b for b in self.unit_buffers[i] if b not in keep):
@@ -191,23 +171,18 @@ class Zero3:
             if owner != self.rank:
                 flat.untyped_storage().resize_(0)  # shapes kept; the bytes go back to the allocator
 
-    def _before_forward(self, i):
+    def _before(self, i, order):
+        """Before module i's forward (or backward): its tensors here, the next module's on the way."""
         self._fetch(i)
-        if self.prefetch and i + 1 < len(self.units):
-            self._fetch(i + 1)  # the next module's broadcasts run while this module computes
+        k = order.index(i)
+        if self.prefetch and k + 1 < len(order):
+            self._fetch(order[k + 1])  # the next module's broadcasts run while this module computes
         self._wait(i)
 
     def _after_forward(self, i):
         # The head's backward comes right after the loss: keep its buffer (the tied wte) until then.
         if not (torch.is_grad_enabled() and i == len(self.units) - 1):
             self._free(i, self.keep[i])
-
-    def _before_backward(self, i):
-        self._fetch(i)
-        k = self.backward_order.index(i)
-        if self.prefetch and k + 1 < len(self.backward_order):
-            self._fetch(self.backward_order[k + 1])
-        self._wait(i)
 
     def _grad_ready(self, p):
         # Runs inside backward once p.grad holds this micro-step's full gradient (for the tied
@@ -237,9 +212,8 @@ class Zero3:
 
     def finish_backward(self):
         """Wait for the gradient reduces; afterwards no rank holds a non-owned parameter or gradient."""
-        t0 = time.perf_counter()
-        self._release_reduced(wait=True)
-        self.wait_s["reduce"] += time.perf_counter() - t0
+        with timers("reduce_wait"):
+            self._release_reduced(wait=True)
         assert not self.fetched, "a fetched tensor was not freed"
 
     def owned(self):
@@ -276,183 +250,208 @@ def gather_full_state(model, optimizer, zero3):
     return {k: params[id(v)] for k, v in model.state_dict(keep_vars=True).items()}, optim  # both tied keys
 
 
+class ZeRO3:
+    """The strategy behind the few methods the training loop calls: the GPT built on meta, each rank
+    materialising only the tensors it owns (and the persistent ones), which Zero3 fetches and reduces."""
+    dp_group = None  # the ranks that split the batch: all of them
+
+    def __init__(self, config, args, device, state=None):
+        self.args, self.device, self.rank, self.world_size = args, device, dist.get_rank(), dist.get_world_size()
+        self.model = GPT(config, device="meta")  # shapes only; each rank then materialises what it keeps
+        self.owner, self.load = partition([(n, p.shape) for n, p in self.model.named_parameters()],
+                                          self.world_size, args.persistence_threshold)
+        # From a full checkpoint (any script, any world size) each rank takes only what it keeps here.
+        value_of = ((lambda name, shape: state[name]) if state is not None else
+                    (lambda name, shape: init_tensor(name, shape, config, args.seed)))
+        materialize_owned_(self.model, self.owner, self.rank, value_of, device)
+        self.zero3 = Zero3(self.model, self.owner, self.rank, self.world_size, args.prefetch, args.max_reuse_distance)
+        if self.rank == 0:
+            self.print_partition()
+
+    def kept(self):
+        """(name, parameter) of what this rank updates: the owned and the persistent tensors."""
+        return [(n, p) for n, p in self.model.named_parameters() if self.owner[n] in (None, self.rank)]
+
+    def local(self, full, p):
+        """This rank's part of a full tensor, laid out like p: all of it (a copy), p being kept whole."""
+        return full.to(self.device, copy=True)
+
+    def configure_optimizer(self, args, state=None):
+        optimizer = configure_optimizer(self.kept(), args.weight_decay, args.learning_rate, (args.beta1, args.beta2))
+        for name, p in self.kept() if state else ():
+            set_adamw_state(optimizer, p, state[name], lambda t: self.local(t, p))
+        return optimizer
+
+    def forward_backward(self, x, y, sync):
+        """One micro-step; returns its loss. sync=False: persistent gradients only accumulate locally."""
+        self.zero3.sync_persistent = sync
+        with autocast(self.args, self.device):
+            _, loss = self.model(x, y)
+        (loss / self.args.grad_accum_steps).backward()  # each micro-step is 1/A of this rank's rows
+        self.zero3.finish_backward()
+        if sync:  # the gradients are complete: the reduces summed them over the ranks, the owner averages
+            for p in self.zero3.owned() + self.zero3.persistent():
+                p.grad.div_(self.world_size)
+        return loss.detach().float()
+
+    @torch.no_grad()
+    def eval_loss(self, x, y):
+        self.model.eval()
+        with autocast(self.args, self.device):
+            _, loss = self.model(x, y)
+        self.model.train()
+        return loss.float()
+
+    def clip_grad_norm_(self, max_norm):
+        # Every gradient element is on exactly one rank (owned) or on all of them, equal (persistent).
+        return clip_grad_norm_([p.grad for p in self.zero3.owned()], [p.grad for p in self.zero3.persistent()], max_norm)
+
+    def full_state(self, optimizer):
+        return gather_full_state(self.model, optimizer, self.zero3)
+
+    def describe(self):
+        return f"{num_params(self.model) / 1e6:.2f}M params, whole tensors owned by one of {self.world_size} rank(s)"
+
+    def print_partition(self):
+        owners, persistent = list(self.owner.values()), sum(p.numel() for p in self.zero3.persistent())
+        print(f"partition: {owners.count(None)} persistent tensors of {persistent * 4:,} bytes on every rank; owned:")
+        for r, load in enumerate(self.load):
+            print(f"  rank {r}: {owners.count(r):3d} tensors, {load * 4:>12,} bytes ({load / max(1, sum(self.load)):.1%})")
+        if any(owners.count(r) == 0 for r in range(self.world_size)):
+            print(f"warning: some of the {self.world_size} ranks own no tensor (fewer partitioned tensors than ranks, "
+                  f"or one tensor dominates); they only receive broadcasts", flush=True)
+
+
 def add_zero3_flags(group):
-    group.add_argument("--persistence_threshold", type=int, default=0,  # measured: see the docstring
+    group.add_argument("--persistence_threshold", type=int, default=0,  # measured: see README
                        help="tensors with fewer elements stay replicated on every rank (0: partition all)")
     add_bool(group, "--prefetch", True, "broadcast the next module's tensors while the current one computes")
     group.add_argument("--max_reuse_distance", type=int, default=10**9,  # DeepSpeed's default
                        help="keep a fetched tensor whose next use comes within this many fetched elements (0: always free)")
 
 
-def local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def held_bytes(tensors):
-    """Bytes this rank really holds: a freed tensor (0-byte storage) counts 0, a DTensor its shard."""
-    return sum(min(local(t).numel() * t.element_size(), local(t).untyped_storage().nbytes())
-               for t in tensors if t is not None)
-
-
-# ---- setup -------------------------------------------------------------------------------
-
-def main(argv=None):
-    args = parse_args("zero3", add_zero3_flags, argv)
+def check_zero3_args(args, world_size):
+    """Bad input ends every rank with one line, before anything is built. Returns the DP size."""
     for flag in ("persistence_threshold", "max_reuse_distance"):
         if getattr(args, flag) < 0:
             die(f"--{flag}: must be >= 0, got {getattr(args, flag)}")
-    check_batch_split(args, int(os.environ.get("WORLD_SIZE", 1)))
+    check_batch_split(args, world_size)
+    return world_size
+
+
+# ---- training ----------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args("zero3", add_zero3_flags, argv)
+    D = check_zero3_args(args, int(os.environ.get("WORLD_SIZE", 1)))
     rank, world_size, device = setup(args)
     setup_data(args)
     ckpt = resume(args)  # None, or a full checkpoint written by any script at any world size
     config = gpt_config(args)
     B, T, A = args.batch_size, args.block_size, args.grad_accum_steps
-    rows, micro = B // world_size, B // world_size // A  # this rank's rows; rows per micro-step
+    dp_rank, rows, micro = rank * D // world_size, B // D, B // D // A  # rows per DP rank; per micro-step
+    mine = slice(dp_rank * rows, (dp_rank + 1) * rows)  # this rank's rows of every global batch
 
-    # Resuming re-partitions: each rank takes from the full tensors only what it keeps in this layout.
-    value_of = ((lambda name, shape: ckpt["model"][name]) if ckpt else
-                (lambda name, shape: init_tensor(name, shape, config, args.seed)))
-    model = GPT(config, device="meta")  # shapes only; each rank then materialises what it keeps
-    zero3 = None
-    if args.implementation == "custom":
-        owner, load = partition([(n, p.shape) for n, p in model.named_parameters()], world_size,
-                                args.persistence_threshold)
-        materialize_owned_(model, owner, rank, value_of, device)
-        zero3 = Zero3(model, owner, rank, world_size, args.prefetch, args.max_reuse_distance)
-        optimizer = configure_optimizer([(n, p) for n, p in model.named_parameters() if owner[n] in (None, rank)],
-                                        args.weight_decay, args.learning_rate, (args.beta1, args.beta2))
-    else:  # FSDP2: every block and the root become groups of per-tensor Shard(0) DTensors
-        mesh = init_device_mesh(device.type, (world_size,))
-        for block in model.transformer.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model.to_empty(device=device)  # allocates only this rank's shards
-        with torch.no_grad():
-            for name, p in model.named_parameters():  # each rank cuts its shard from the full tensor
-                p.copy_(distribute_tensor(value_of(name, p.shape).to(device), mesh, p.placements, src_data_rank=None))
-        optimizer = configure_optimizer(model.named_parameters(), args.weight_decay, args.learning_rate,
-                                        (args.beta1, args.beta2))
+    model = (ZeRO3 if args.implementation == "custom" else TorchZeRO3)(config, args, device, ckpt and ckpt["model"])
+    optimizer = model.configure_optimizer(args, ckpt and ckpt["optimizer"])
     start = ckpt["step"] if ckpt else 0
-    if ckpt:  # AdamW state cut like its parameter: whole for an owned tensor, this rank's shard of a DTensor
-        names = {p: n for n, p in model.named_parameters()}
-        for p in (p for group in optimizer.param_groups for p in group["params"]):
-            cut = ((lambda t, p=p: distribute_tensor(t.to(device), p.device_mesh, p.placements, src_data_rank=None).clone())
-                   if isinstance(p, DTensor) else (lambda t: t.to(device, copy=True)))  # clone: not a view of t
-            set_adamw_state(optimizer, p, ckpt["optimizer"][names[p]], cut)
     metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
     if rank == 0:
-        print(f"zero3 ({args.implementation}): {world_size} rank(s) on {device}, {num_params(model) / 1e6:.2f}M params, "
-              f"global batch {B} x {T} tokens, {A} micro-step(s) of {micro} rows per rank", flush=True)
-        if zero3 is not None:
-            persistent = sum(p.numel() for p in zero3.persistent())
-            print(f"partition ({len(owner) - list(owner.values()).count(None)} partitioned tensors, "
-                  f"{list(owner.values()).count(None)} persistent of {persistent * 4:,} bytes on every rank):")
-            for r in range(world_size):
-                print(f"  rank {r}: {sum(1 for o in owner.values() if o == r):3d} tensors, {load[r] * 4:>12,} bytes "
-                      f"({load[r] / max(1, sum(load)):.1%})", flush=True)
-            if 0 in [sum(1 for o in owner.values() if o == r) for r in range(world_size)]:
-                print(f"warning: some of the {world_size} ranks own no tensor (fewer partitioned tensors than ranks, "
-                      f"or one tensor dominates); they only receive broadcasts", flush=True)
+        print(f"zero3 ({args.implementation}): {world_size} rank(s) on {device}, {model.describe()}; global batch "
+              f"{B} x {T} tokens, {A} micro-step(s) of {micro} rows per data-parallel rank", flush=True)
 
     @torch.no_grad()
     def evaluate():
-        """Mean loss over eval_iters fixed batches per split; each rank evaluates its rows of
-        each batch and the means are averaged over ranks (equal row counts, so the global mean)."""
-        model.eval()
+        """Mean loss over eval_iters fixed batches per split: each data-parallel rank evaluates its rows
+        of each batch, and the means are averaged over those ranks (equal rows: the global mean)."""
         out = {}
         for split in ("train", "val"):
             total = torch.zeros((), device=device)
             for k in range(args.eval_iters):
                 x, y = get_batch(split, k, B, T, args.seed + 1, args.dataset)
-                with autocast(args, device):
-                    _, loss = model(x[rank * rows:(rank + 1) * rows].to(device), y[rank * rows:(rank + 1) * rows].to(device))
-                total += loss.float()
-            dist.all_reduce(total, op=dist.ReduceOp.AVG)
+                total += model.eval_loss(x[mine].to(device), y[mine].to(device))
+            dist.all_reduce(total, op=dist.ReduceOp.AVG, group=model.dp_group)
             out[split] = total.item() / args.eval_iters
-        model.train()
         return out
 
-    def sum_of_squares(tensors):
-        return sum(((g.float() * g.float()).sum() for g in tensors), torch.zeros((), device=device))
-
     # ---- training loop -------------------------------------------------------------------
-    timings = []  # per step, ms: exposed broadcast wait, exposed reduce wait, optimizer (for the bench)
+    profiler = Profiler(args, rank)
     for step in range(start, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
             metrics.eval(step, evaluate())
         t0 = time.perf_counter()
-        if zero3 is not None:
-            zero3.wait_s = dict.fromkeys(zero3.wait_s, 0.0)  # this step only, not the evaluation
         lr = get_lr(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = get_batch("train", step, B, T, args.seed, args.dataset)
-        x, y = x[rank * rows:(rank + 1) * rows].to(device), y[rank * rows:(rank + 1) * rows].to(device)
+        x, y = x[mine].to(device), y[mine].to(device)
         loss_sum = torch.zeros((), device=device)
-        for j in range(A):
-            if zero3 is not None:
-                zero3.sync_persistent = j == A - 1  # persistent grads: accumulate locally, all-reduce once
-            with autocast(args, device):
-                _, loss = model(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro])
-            (loss / A).backward()  # each micro-step is 1/A of this rank's rows
-            if zero3 is not None:
-                zero3.finish_backward()
-            loss_sum += loss.detach().float()
+        for j in range(A):  # gradients are synchronised on the last micro-step only
+            loss_sum += model.forward_backward(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro], j == A - 1)
         # Logged loss: the mean over all B*T tokens of the global batch (equal chunks: mean of means).
         loss_sum /= A
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-        if zero3 is not None:  # the reduces summed over ranks: the owner averages
-            sharded, replicated = [p.grad for p in zero3.owned()], [p.grad for p in zero3.persistent()]
-            for g in sharded + replicated:
-                g.div_(world_size)
-        else:  # FSDP2's reduce-scatter already averaged; each rank holds its shards' gradients
-            sharded, replicated = [local(p.grad) for p in model.parameters()], []
-        # Pinned global norm: every gradient element is on exactly one rank (owned / shard), or on all
-        # of them identically (persistent): all-reduce the former's squares, add the latter's once.
-        squares = sum_of_squares(sharded)
-        dist.all_reduce(squares)
-        norm = (squares + sum_of_squares(replicated)).sqrt()
-        if args.grad_clip > 0:
-            clip = (args.grad_clip / (norm + 1e-6)).clamp(max=1.0)
-            for g in sharded + replicated:
-                g.mul_(clip)
-        t_opt = time.perf_counter()
-        optimizer.step()  # AdamW over the owned tensors only
-        if zero3 is not None:
-            timings.append([1000 * zero3.wait_s["broadcast"], 1000 * zero3.wait_s["reduce"], 1000 * (time.perf_counter() - t_opt)])
-        optimizer.zero_grad(set_to_none=False)
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=model.dp_group)
+        norm = model.clip_grad_norm_(args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # zero in place: gradients that are views stay views
         if device.type == "cuda":
             torch.cuda.synchronize()
-        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, time.perf_counter() - t0, device,
-                     args.log_interval)
+        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, time.perf_counter() - t0, device, args.log_interval)
+        profiler.step()
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
-            checkpoint(model, optimizer, zero3, step + 1, config, args)
+            checkpoint(step + 1, model, optimizer, config, args)
+    profiler.stop()
 
     if args.eval_interval:
         metrics.eval(args.max_iters, evaluate())
-    checkpoint(model, optimizer, zero3, args.max_iters, config, args)
-    state_bytes = (held_bytes(model.parameters()) + held_bytes(p.grad for p in model.parameters())
-                   + held_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)))
-    per_rank = [None] * world_size
-    medians = [statistics.median(column) for column in zip(*timings)] if timings else None
-    dist.all_gather_object(per_rank, (state_bytes, peak_mem_bytes(device), medians))
-    extra = {}
-    if medians:  # where the step's time goes, per rank: the owner of the big tensors waits and works most
-        for k, key in enumerate(["broadcast_wait_ms", "reduce_wait_ms", "optimizer_ms"]):
-            extra[key + "_per_rank"] = [round(r[2][k], 2) for r in per_rank]
-    metrics.summary([r[0] for r in per_rank], [r[1] for r in per_rank], **extra)
+    checkpoint(args.max_iters, model, optimizer, config, args)
+    metrics.summary(model_state_bytes(optimizer), device)
     metrics.close()
 
 
-def checkpoint(model, optimizer, zero3, step, config, args):
-    """Collective: the full format gathered on rank 0, which writes it (with every rank's RNG state)."""
-    if zero3 is not None:
-        state, optim = gather_full_state(model, optimizer, zero3)
-    else:  # FSDP2: full_tensor() all-gathers each DTensor on every rank
+# ---- PyTorch's own ZeRO-3, FSDP2, behind the same methods ----------------------------------
+
+class TorchZeRO3(ZeRO3):
+    """FSDP2 (torch.distributed.fsdp.fully_shard) on every block and on the root: every tensor a
+    Shard(0) DTensor (N slices, not whole tensors), all-gathered before each group's forward and
+    backward, its gradient reduce-scattered (averaged) on every micro-step."""
+
+    def __init__(self, config, args, device, state=None):
+        self.args, self.device = args, device
+        self.model = GPT(config, device="meta")
+        self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for block in self.model.transformer.h:
+            fully_shard(block, mesh=self.mesh)
+        fully_shard(self.model, mesh=self.mesh)
+        self.model.to_empty(device=device)  # allocates only this rank's shards
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():  # each rank cuts its shard from the full tensor
+                p.copy_(self.local(state[name] if state is not None else init_tensor(name, p.shape, config, args.seed), p))
+
+    def kept(self):
+        return list(self.model.named_parameters())
+
+    def local(self, full, p):
+        """Every rank has the full tensor: src_data_rank=None cuts this rank's shard, sending nothing."""
+        return distribute_tensor(full.to(self.device), self.mesh, p.placements, src_data_rank=None).clone()
+
+    def forward_backward(self, x, y, sync):
+        with autocast(self.args, self.device):
+            _, loss = self.model(x, y)
+        (loss / self.args.grad_accum_steps).backward()  # reduce-scatters on every micro-step, as Zero3 reduces
+        return loss.detach().float()
+
+    def clip_grad_norm_(self, max_norm):
+        return clip_grad_norm_([p.grad.to_local() for p in self.model.parameters()], [], max_norm)
+
+    def full_state(self, optimizer):
+        """full_tensor() all-gathers each DTensor on every rank."""
         full = lambda v: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
-        state = {k: full(v) for k, v in model.state_dict().items()}
-        optim = {n: {k: full(v) for k, v in optimizer.state[p].items()} for n, p in model.named_parameters()}
-    save_checkpoint(state, optim, step, config, args)
+        return ({k: full(v) for k, v in self.model.state_dict().items()},
+                {n: {k: full(v) for k, v in optimizer.state[p].items()} for n, p in self.model.named_parameters()})
+
+    def describe(self):
+        return f"{num_params(self.model) / 1e6:.2f}M params, torch FSDP2 over {dist.get_world_size()} rank(s)"
 
 
 if __name__ == "__main__":

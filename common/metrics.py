@@ -91,7 +91,8 @@ class SavedActivations:
         self.storages, self.measured = {}, False
 
     def _pack(self, t):
-        if not isinstance(t, torch.nn.Parameter):
+        # parameters, and views of them (a Linear saves its weight transposed), are not activations
+        if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
             storage = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's local shard
             self.storages[storage.data_ptr()] = storage.nbytes()
         return t
@@ -169,9 +170,10 @@ class Metrics:
         if self.enabled:
             print(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", flush=True)
 
-    def summary(self, model_state_bytes, device, **extra):
+    def summary(self, model_state_bytes, device, run=None, **extra):
         """Collective: every rank's model state, peak memory, timer medians and `extra` values are
-        gathered, and rank 0 writes them as lists (<key>_per_rank) in the summary line."""
+        gathered, and rank 0 writes them as lists (<key>_per_rank) in the summary line; `run`: values
+        of the whole run (rank 0's), written under their own names."""
         mine = dict(model_state_bytes=model_state_bytes, peak_mem_bytes=peak_mem_bytes(device),
                     **{f"{k}_ms": round(v, 3) for k, v in timers.medians_ms().items()}, **extra)
         if activations.measured:
@@ -181,7 +183,7 @@ class Metrics:
         record = dict(summary=True, model_state_bytes=ranks[0]["model_state_bytes"],
                       peak_mem_bytes=ranks[0]["peak_mem_bytes"],
                       tokens_per_sec=statistics.median(self.tokens_per_sec) if self.tokens_per_sec else 0.0,
-                      **{f"{k}_per_rank": [r.get(k) for r in ranks] for k in ranks[0]})
+                      **{f"{k}_per_rank": [r.get(k) for r in ranks] for k in ranks[0]}, **(run or {}))
         self.log(record)
         if self.enabled:
             print(f"done: median {record['tokens_per_sec']:,.0f} tok/s, model state "

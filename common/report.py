@@ -100,7 +100,7 @@ def bench(runs_dir):
 
 
 EXTRA_KEYS = {  # summary key -> (column, format)
-    "exposed_comm_ms": ("exposed comm ms", lambda v: f"{v:.1f}"),
+    "exposed_comm_ms_per_rank": ("exposed comm ms/rank", lambda v: "/".join(f"{x:.1f}" for x in v)),
     "saved_activation_bytes_per_rank": ("activations MiB/rank", lambda v: mib(max(v))),
     "bubble_measured": ("bubble", lambda v: f"{v:.1%}"),
     "bubble_theory": ("theory", lambda v: f"{v:.1%}"),
@@ -109,7 +109,6 @@ EXTRA_KEYS = {  # summary key -> (column, format)
     "compute_ms_per_rank": ("F+B ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
     "broadcast_wait_ms_per_rank": ("broadcast wait ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
     "reduce_wait_ms_per_rank": ("reduce wait ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
-    "optimizer_ms_per_rank": ("AdamW ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
 }
 
 

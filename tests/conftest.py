@@ -1,6 +1,7 @@
 """Shared test plumbing: offline data, launching scripts under torchrun, spawning gloo ranks."""
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -151,10 +152,12 @@ def _worker(rank, world_size, port, fn, args, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        queue.put((rank, fn(rank, world_size, *args)))
+        # Plain pickle, by value: the queue's own pickler would send a tensor as a file descriptor that
+        # the parent fetches from this process later, and fails to if this process has exited by then.
+        queue.put((rank, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report, so the test fails instead of hanging
         import traceback
-        queue.put((rank, RuntimeError(f"rank {rank}: {traceback.format_exc()}")))
+        queue.put((rank, pickle.dumps(RuntimeError(f"rank {rank}: {traceback.format_exc()}"))))
         raise
     finally:
         dist.destroy_process_group()
@@ -174,7 +177,7 @@ def spawn(fn, world_size, *args, timeout=300):
     try:
         for _ in range(world_size):  # drain before join: a child blocks until its result is read
             rank, value = queue.get(timeout=timeout)
-            results[rank] = value
+            results[rank] = value = pickle.loads(value)
             if isinstance(value, Exception):
                 raise value
     except queue_module.Empty:

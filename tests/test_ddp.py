@@ -39,7 +39,7 @@ def _custom_vs_torch_ddp(rank, world_size, accum):
     gathered = torch.empty(world_size * flat.numel())
     dist.all_gather_single(gathered, flat)
     same_init = all(torch.equal(chunk, flat) for chunk in gathered.chunk(world_size))
-    buckets = GradientBuckets(custom, CAP_MB, embedding=custom.transformer.wte)
+    buckets = GradientBuckets(custom, CAP_MB)
     _train_custom(custom, buckets, x, y, accum)
 
     reference = DistributedDataParallel(GPT(CONFIG, seed=0), bucket_cap_mb=CAP_MB)
@@ -60,7 +60,34 @@ def _all_checks(rank, world_size):
     return {"vs_torch_ddp": {accum: _custom_vs_torch_ddp(rank, world_size, accum) for accum in (1, 4)},
             "all_reduces": _count_all_reduces(rank, world_size, 3),
             "accumulation": _accumulation_equals_full_batch(rank, world_size),
-            "unused": _unused_parameter(rank, world_size)}
+            "unused": _unused_parameter(rank, world_size),
+            "rebuilt": _rebuilt_in_ready_order(rank, world_size)}
+
+
+def _rebuilt_in_ready_order(rank, world_size):
+    model = GPT(CONFIG, seed=0)
+    names = {p: n for n, p in model.named_parameters()}
+    buckets = GradientBuckets(model, CAP_MB)
+    first = [names[p] for b in buckets.buckets for p in b.params]
+    ready = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: ready.append(names[p]))
+    x, y = _rows(rank, world_size)
+    _, loss = model(x, y)
+    loss.backward()
+    if rank == 1:  # another autograd order on one rank: every rank must still build rank 0's buckets
+        buckets.ready_order.reverse()
+    buckets.finish_backward()
+    after = [names[p] for b in buckets.buckets for p in b.params]
+    plain = GPT(CONFIG, seed=0)  # what the buckets must have produced: each gradient's mean over ranks
+    plain(x, y)[1].backward()
+    expected = [p.grad for p in plain.parameters()]
+    for g in expected:
+        dist.all_reduce(g, op=dist.ReduceOp.AVG)
+    kept = all(torch.equal(a, p.grad) for a, p in zip(expected, model.parameters()))
+    in_buffers = all(any(b.buffer.data_ptr() <= p.grad.data_ptr() < b.buffer.data_ptr() + b.buffer.numel() * 4
+                         for b in buckets.buckets) for p in model.parameters())
+    return first, ready, after, kept, in_buffers
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +106,7 @@ def test_custom_gradients_equal_torch_ddp(accum, ranks):
 
 def _count_all_reduces(rank, world_size, accum):
     model = GPT(CONFIG, seed=0)
-    buckets = GradientBuckets(model, CAP_MB, embedding=model.transformer.wte)
+    buckets = GradientBuckets(model, CAP_MB)
     calls, original = [], dist.all_reduce
 
     def counting_all_reduce(tensor, *args, **kwargs):
@@ -109,10 +136,11 @@ def test_all_reduce_count_per_step_is_bucket_count_and_zero_on_no_sync_micro_ste
         assert [len(calls) for _, calls in per_micro_step] == [0, 0, len(bucket_sizes)]
         launched_in_backward, calls = per_micro_step[-1]
         assert launched_in_backward == len(bucket_sizes), "every bucket must be launched from a hook, during backward"
-        assert sorted(calls) == sorted(bucket_sizes)
-        # the tied wte/lm_head bucket (most of the bytes) goes first: the head's gradient is the first
-        # one backward computes, and the embedding lookup's sparse part no longer holds it back
-        assert calls[0] == 50304 * 32
+        # buckets go on the wire in index order (the same order on every rank); after the first
+        # backward they follow the ready order, so the tied wte/lm_head, complete only once the
+        # embedding lookup's backward (the last op) has run, is the last bucket
+        assert calls == bucket_sizes
+        assert calls[-1] == 50304 * 32 and 50304 * 32 not in calls[:-1]
 
 
 def _accumulation_equals_full_batch(rank, world_size):
@@ -120,9 +148,17 @@ def _accumulation_equals_full_batch(rank, world_size):
     grads = []
     for accum in (1, 4):
         model = GPT(CONFIG, seed=0)
-        _train_custom(model, GradientBuckets(model, CAP_MB, embedding=model.transformer.wte), x, y, accum)
+        _train_custom(model, GradientBuckets(model, CAP_MB), x, y, accum)
         grads.append([p.grad.clone() for p in model.parameters()])
     return max((a - b).abs().max().item() for a, b in zip(*grads))
+
+
+def test_buckets_are_rebuilt_in_rank_0s_ready_order_after_the_first_backward(ranks):
+    (first, ready0, after0, kept0, in0), (_, _, after1, kept1, in1) = (r["rebuilt"] for r in ranks)
+    assert after0 == after1 == ready0 != first  # rank 1's order was reversed: rank 0's wins
+    assert ready0[-1] == "transformer.wte.weight"  # the tied weight is complete last
+    assert in0 and in1, "after the rebuild every .grad must be a view into its new bucket"
+    assert kept0 and kept1, "the reduced gradients must move into the new buffers"
 
 
 def test_gradient_accumulation_equals_one_full_batch_step(ranks):

@@ -10,9 +10,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from conftest import TINY, launch, read_metrics, spawn, the_one_error
+from common.config import parse_args
 from common.data import get_batch
+from common.distributed import clip_grad_norm_
 from common.model import GPT, GPTConfig, init_tensor
-from fsdp_train import FlatParamUnit, FullyShardedGPT, clip_by_global_norm, full_state
+from fsdp_train import FSDP, FlatParamUnit, FullyShardedGPT, add_fsdp_flags, checkpoint, resume
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 
@@ -24,6 +26,21 @@ def _sharded(config, rank, world_size, reshard=True, prefetch=True, deferred=Fal
     value_of = (lambda n, s: init_tensor(n, s, config, 0)) if deferred else (lambda n, s: full[n].detach())
     fsdp = FullyShardedGPT(model, value_of, rank, world_size, torch.device("cpu"), torch.float32, reshard, prefetch)
     return model, fsdp, keys
+
+
+def _strategy(flags=()):
+    """fsdp_train.py's strategy object for CONFIG (seed 0), as main() builds it, and its optimizer."""
+    args = parse_args("fsdp", add_fsdp_flags, ["--seed", "0", "--learning_rate", "1e-2", *flags])
+    strategy = FSDP(CONFIG, args, torch.device("cpu"))
+    return strategy, strategy.configure_optimizer(args), args
+
+
+def _local_grads(fsdp):
+    return [u.local_shard.grad[:u.valid] for u in fsdp.units]
+
+
+def _gathered_bytes(fsdp):
+    return sum(u.flat_param.untyped_storage().nbytes() for u in fsdp.units if u.flat_param is not None)
 
 
 def _gather(shard):
@@ -55,7 +72,7 @@ def _gradients_vs_reference(rank, world_size, accum):
         (loss / accum).backward()
         fsdp.finish_backward()
     grads = _full_grads(fsdp)
-    norm = clip_by_global_norm(fsdp.local_grads(), 0.0).item()
+    norm = clip_grad_norm_(_local_grads(fsdp), [], 0.0).item()
 
     reference = GPT(CONFIG, seed=0)  # the whole global batch in one process
     _, loss = reference(x, y)
@@ -109,7 +126,7 @@ LEDGER_CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=4, n_head=2, 
 def _ledger_and_freeing(rank, world_size, reshard, prefetch):
     model, fsdp, _ = _sharded(LEDGER_CONFIG, rank, world_size, reshard, prefetch)
     blocks = fsdp.blocks
-    after_setup = fsdp.gathered_bytes()
+    after_setup = _gathered_bytes(fsdp)
     events, views_in_buffer = [], []
 
     def gathered():
@@ -142,7 +159,7 @@ def _ledger_and_freeing(rank, world_size, reshard, prefetch):
         _, loss = model(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
         loss.backward()
         fsdp.finish_backward()
-        after_backward = fsdp.gathered_bytes()
+        after_backward = _gathered_bytes(fsdp)
         optimizer.step()
     finally:
         dist.all_gather_single, dist.reduce_scatter_single = originals
@@ -247,14 +264,12 @@ def test_deferred_init_equals_sharding_the_whole_model_and_never_holds_it():
 
 
 def _checkpoint_round_trip(rank, world_size):
-    model, fsdp, keys = _sharded(CONFIG, rank, world_size)
-    optimizer = torch.optim.AdamW([u.local_shard for u in fsdp.units], lr=1e-2)
+    strategy, optimizer, _ = _strategy()
+    model, keys = strategy.model, list(GPT(CONFIG, device="meta").state_dict())
     x, y = get_batch("train", 0, 4, CONFIG.block_size, seed=0)
-    _, loss = model(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
-    loss.backward()
-    fsdp.finish_backward()
+    strategy.forward_backward(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2], True)
     optimizer.step()  # so the weights differ from the init
-    model_state, optim_state = full_state(model, fsdp, optimizer, keys)
+    model_state, optim_state = strategy.full_state(optimizer)
     with torch.no_grad():
         logits, _ = model(x)
     plain = GPT(CONFIG, device="meta")  # ddp_train.py's model
@@ -291,7 +306,7 @@ def _tiny_unit(rank, world_size):
     unit.local_shard.grad = shard
     unit.reshard()
     return unit.shard_size, unit.valid, unit.padding, values, \
-        clip_by_global_norm([unit.local_shard.grad[:unit.valid]], 0.0).item()
+        clip_grad_norm_([unit.local_shard.grad[:unit.valid]], [], 0.0).item()
 
 
 def test_world_size_larger_than_a_unit_pads_and_works(three_ranks):
@@ -311,7 +326,7 @@ def test_script_two_ranks_checkpoint_metrics_and_summary(tmp_path):
     summary = records[-1]
     n_params = sum(p.numel() for p in GPT(GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=64), device="meta").parameters())
     assert abs(summary["model_state_bytes"] - 16 * n_params / 2) <= 0.05 * 16 * n_params / 2
-    assert summary["exposed_comm_ms"] >= 0
+    assert len(summary["exposed_comm_ms_per_rank"]) == 2 and all(ms >= 0 for ms in summary["exposed_comm_ms_per_rank"])
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     assert ckpt["step"] == 3 and {"transformer.wte.weight", "lm_head.weight"} <= set(ckpt["model"])
     assert torch.equal(ckpt["model"]["transformer.wte.weight"], ckpt["model"]["lm_head.weight"])
@@ -330,30 +345,29 @@ def test_flags_that_do_not_apply_give_one_clear_error(flags, named, tmp_path):
 
 
 def _sharded_round_trip(rank, world_size, path):
-    from fsdp_train import load_sharded, save_sharded
     x, y = get_batch("train", 0, 4, CONFIG.block_size, seed=0)
 
-    def one_step(model, fsdp, optimizer):
-        _, loss = model(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
-        loss.backward()
-        fsdp.finish_backward()
+    def one_step(strategy, optimizer):
+        strategy.forward_backward(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2], True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 
-    model, fsdp, _ = _sharded(CONFIG, rank, world_size)
-    optimizer = torch.optim.AdamW([u.local_shard for u in fsdp.units], lr=1e-2)
-    one_step(model, fsdp, optimizer)
-    save_sharded(fsdp, optimizer, 1, path)
-    one_step(model, fsdp, optimizer)
-    fresh, fresh_fsdp, _ = _sharded(CONFIG, rank, world_size)
-    fresh_optimizer = torch.optim.AdamW([u.local_shard for u in fresh_fsdp.units], lr=1e-2)
-    step = load_sharded(fresh_fsdp, fresh_optimizer, path, world_size)
-    one_step(fresh, fresh_fsdp, fresh_optimizer)  # the second step again, from the loaded state
-    return step, all(torch.equal(a.local_shard, b.local_shard) for a, b in zip(fsdp.units, fresh_fsdp.units))
+    strategy, optimizer, args = _strategy(["--sharded_checkpoint", "--out_dir", str(path)])
+    one_step(strategy, optimizer)
+    checkpoint(1, strategy, optimizer, CONFIG, args)  # ckpt.pt, and sharded/ beside it
+    one_step(strategy, optimizer)
+    # main()'s way back: resume() gives the step, the strategy and its optimizer load this rank's file
+    fresh_args = parse_args("fsdp", add_fsdp_flags, ["--seed", "0", "--learning_rate", "1e-2",
+                                                     "--resume_sharded", f"{path}/sharded"])
+    step = resume(fresh_args)["step"]
+    fresh = FSDP(CONFIG, fresh_args, torch.device("cpu"))
+    fresh_optimizer = fresh.configure_optimizer(fresh_args)
+    one_step(fresh, fresh_optimizer)  # the second step again, from the loaded state
+    return step, all(torch.equal(a.local_shard, b.local_shard) for a, b in zip(strategy.units, fresh.units))
 
 
 def test_sharded_checkpoint_one_file_per_rank_resumes_exactly(two_ranks):
     results, path = two_ranks
     for step, same in (r["sharded"] for r in results):
         assert step == 1 and same
-    assert sorted(p.name for p in path.iterdir()) == ["manifest.pt", "rank0.pt", "rank1.pt"]
+    assert sorted(p.name for p in (path / "sharded").iterdir()) == ["manifest.pt", "rank0.pt", "rank1.pt"]

@@ -1,23 +1,27 @@
 """tp_train.py: each parallel layer equals its unsharded layer (forward and grads, SP off/on), shards
-equal slices of the reference init, the Megatron communication counts, activation memory with SP,
-the clipping norm, the full checkpoint, bad input."""
+equal slices of the reference init, the Megatron communication counts, activation memory with SP (in
+the blocks and in the script's summary), the strategy's gradients and clipping norm, the full
+checkpoint, bad input."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import TINY, launch, spawn, the_one_error
+from conftest import TINY, launch, read_metrics, spawn, the_one_error
 from common.data import get_batch
 from common.model import GPT, GPTConfig
-from tp_train import (TP, ColumnParallelLinear, RowParallelLinear, TPBlock, TPGPT, VocabParallelCrossEntropy,
-                      VocabParallelEmbedding, global_grad_norm, shard, shard_dim, all_reduce_grads, unshard)
+from common.metrics import SavedActivations
+from tp_train import (TP, ColumnParallelLinear, RowParallelLinear, TPGPT, TensorParallel, VocabParallelCrossEntropy,
+                      VocabParallelEmbedding, all_reduce_grads, shard, shard_dim, unshard)
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)
-B, S, C = 2, CONFIG.block_size, CONFIG.n_embd
+B, T, C = 2, CONFIG.block_size, CONFIG.n_embd
 
 
-def _seq(t, tp):  # this rank's sequence shard of a (B, S, ...) tensor, or all of it without SP
+def _seq(t, tp):  # this rank's sequence shard of a (B, T, ...) tensor, or all of it without SP
     return t.chunk(tp.size, dim=1)[tp.rank] if tp.sp else t
 
 
@@ -40,8 +44,8 @@ def _layers_equal_unsharded_sp(sp):
     for kind, name, in_f, out_f in (("column", "h.0.attn.c_attn", C, 3 * C), ("column", "h.0.mlp.c_fc", C, 4 * C),
                                     ("row", "h.0.mlp.c_proj", 4 * C, C)):
         full = torch.nn.Linear(in_f, out_f)
-        x = torch.randn(B, S, in_f, requires_grad=True)
-        grad_out = torch.randn(B, S, out_f)
+        x = torch.randn(B, T, in_f, requires_grad=True)
+        grad_out = torch.randn(B, T, out_f)
         y = full(x)
         y.backward(grad_out)
         layer = (ColumnParallelLinear if kind == "column" else RowParallelLinear)(tp, in_f, out_f, True)
@@ -60,7 +64,7 @@ def _layers_equal_unsharded_sp(sp):
             y_local.backward(_seq(grad_out, tp))
             y_ref, x_grad_ref = _seq(y.detach(), tp), x.grad.chunk(tp.size, dim=2)[tp.rank]
             if sp:  # the replicated bias saw only this rank's sequence shard
-                all_reduce_grads([layer.bias], tp.group)
+                all_reduce_grads([layer.bias.grad], tp.group)
         diffs[f"{kind} {name}"] = _max_diff([
             (y_local, y_ref), (x_local.grad, x_grad_ref),
             (layer.weight.grad, shard(name + ".weight", full.weight.grad, tp.rank, tp.size)),
@@ -68,9 +72,9 @@ def _layers_equal_unsharded_sp(sp):
 
     # vocab-parallel embedding
     full = torch.nn.Embedding(CONFIG.vocab_size, C)
-    idx = torch.randint(0, CONFIG.vocab_size, (B, S))
+    idx = torch.randint(0, CONFIG.vocab_size, (B, T))
     idx[0, :4] = torch.tensor([0, CONFIG.vocab_size // 2 - 1, CONFIG.vocab_size // 2, CONFIG.vocab_size - 1])  # edges
-    grad_out = torch.randn(B, S, C)
+    grad_out = torch.randn(B, T, C)
     full(idx).backward(grad_out)
     emb = VocabParallelEmbedding(tp, CONFIG.vocab_size, C)
     with torch.no_grad():
@@ -81,8 +85,8 @@ def _layers_equal_unsharded_sp(sp):
                                           (emb.weight.grad, shard("transformer.wte.weight", full.weight.grad, tp.rank, tp.size))])
 
     # vocab-parallel cross-entropy (no SP involved: it sees the whole sequence)
-    logits = (3 * torch.randn(B * S, CONFIG.vocab_size)).requires_grad_()
-    targets = torch.randint(0, CONFIG.vocab_size, (B * S,))
+    logits = (3 * torch.randn(B * T, CONFIG.vocab_size)).requires_grad_()
+    targets = torch.randint(0, CONFIG.vocab_size, (B * T,))
     targets[:2] = torch.tensor([0, CONFIG.vocab_size - 1])
     F.cross_entropy(logits, targets).backward()
     logits_local = logits.detach().chunk(tp.size, dim=1)[tp.rank].clone().requires_grad_()
@@ -116,28 +120,32 @@ def _model_equals_reference(rank, world_size):
     return [_model_equals_reference_sp(sp) for sp in (False, True)]
 
 
+def _strategy(sp):
+    """tp_train's TensorParallel on the 2 ranks (TP=2, D=1), as main() builds it."""
+    args = SimpleNamespace(tensor_parallel_size=2, sequence_parallel=sp, loss_parallel=True, seed=0, bucket_cap_mb=25.0,
+                           grad_accum_steps=1, dtype="float32")
+    return TensorParallel(CONFIG, args, torch.device("cpu"))
+
+
 def _model_equals_reference_sp(sp):
-    """Init shards = slices of the reference; gradients and pinned norm = the reference's."""
-    tp = TP(dist.group.WORLD, sp)
+    """Init shards = slices of the reference; loss, gradients (after forward_backward's SP all-reduce) and
+    the pinned norm of clip_grad_norm_ = the reference's."""
+    strategy = _strategy(sp)
+    model, tp = strategy.model, strategy.model.tp
     ref = GPT(CONFIG, seed=0)
-    model = TPGPT(tp, CONFIG, seed=0, device="cpu")
     reference = dict(ref.named_parameters())
     init_equal = all(torch.equal(p, shard(n, reference[n], tp.rank, tp.size)) for n, p in model.named_parameters())
     roundtrip = all(torch.equal(unshard(n, [shard(n, reference[n], r, 3) for r in range(3)]), reference[n])
                     for n in reference if shard_dim(n) is not None and reference[n].size(0) % 3 == 0)
-    x, y = get_batch("train", 0, B, S, seed=0)
+    x, y = get_batch("train", 0, B, T, seed=0)
     _, loss = ref(x, y)
     loss.backward()
-    tp_loss = model(x, y)
-    tp_loss.backward()
-    if sp:
-        all_reduce_grads(model.sequence_parallel_params, tp.group)
+    tp_loss = strategy.forward_backward(x, y, sync=True)
     grad_diff = _max_diff((p.grad, shard(n, reference[n].grad, tp.rank, tp.size)) for n, p in model.named_parameters())
-    params = [p for _, p in model.named_parameters()]
-    norm = global_grad_norm(params, [p for n, p in model.named_parameters() if shard_dim(n) is not None], tp.group)
+    norm = strategy.clip_grad_norm_(0.0)  # max_norm 0: measures only
     ref_norm = torch.stack([(p.grad * p.grad).sum() for p in ref.parameters()]).sum().sqrt()
     # the norm counting every parameter on every rank would be too large: replicated ones count once
-    wrong = torch.stack([(p.grad * p.grad).sum() for p in params]).sum()
+    wrong = torch.stack([(p.grad * p.grad).sum() for p in model.parameters()]).sum()
     dist.all_reduce(wrong)
     return init_equal, roundtrip, abs(tp_loss.item() - loss.item()), grad_diff, norm.item(), ref_norm.item(), wrong.sqrt().item()
 
@@ -171,12 +179,11 @@ def _count_collectives(sp, whole_model):
 
     if whole_model:
         module = TPGPT(tp, CONFIG, seed=0, device="cpu")
-        x, y = get_batch("train", 0, B, S, seed=0)
-        run = lambda: module(x, y)
+        x, y = get_batch("train", 0, B, T, seed=0)
+        run = lambda: module(x, y)[1]
     else:
-        module = TPBlock(tp, CONFIG)
-        torch.nn.init.normal_(module.attn.c_attn.weight, std=0.02)
-        x = torch.randn(B, S // tp.size if sp else S, C, requires_grad=True)
+        module = TPGPT(tp, CONFIG, seed=0, device="cpu").transformer.h[0]
+        x = torch.randn(B, T // tp.size if sp else T, C, requires_grad=True)
         run = lambda: module(x).square().sum()
     for name in COLLECTIVES:
         setattr(dist, name, counting(name))
@@ -205,22 +212,22 @@ def test_megatron_communication_per_block(counts):
     fwd, bwd, sizes = counts[False, False]
     assert fwd == {"all_reduce": 2, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}
     assert bwd == {"all_reduce": 2, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}
-    assert sizes == [B * S * C]  # every one moves the whole (B, S, C) activation
+    assert sizes == [B * T * C]  # every one moves the whole (B, T, C) activation
     # with SP: an all-gather before each column-parallel linear and a reduce-scatter after each
     # row-parallel one, and the reverse in backward; the same bytes, no all-reduce
     fwd, bwd, sizes = counts[True, False]
     assert fwd == {"all_reduce": 0, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
     assert bwd == {"all_reduce": 0, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
-    assert sizes == [B * S * C // 2, B * S * C]  # shard in, whole out (or the reverse)
+    assert sizes == [B * T * C // 2, B * T * C]  # shard in, whole out (or the reverse)
 
 
 def test_megatron_communication_whole_model(counts):
     L = CONFIG.n_layer
     # + the embedding's g, the three loss all-reduces (max, sum exp, target logit) in forward; the f
-    # in front of lm_head in backward. Never a (B, S, V) collective: the logits are not gathered.
+    # in front of lm_head in backward. Never a (B, T, V) collective: the logits are not gathered.
     fwd, bwd, sizes = counts[False, True]
     assert fwd["all_reduce"] == 2 * L + 1 + 3 and bwd["all_reduce"] == 2 * L + 1
-    assert max(sizes) == B * S * C
+    assert max(sizes) == B * T * C
     fwd, bwd, sizes = counts[True, True]
     assert fwd == {"all_reduce": 3, "all_gather_into_tensor": 2 * L + 1, "reduce_scatter_tensor": 2 * L + 1}
     assert bwd == {"all_reduce": 0, "all_gather_into_tensor": 2 * L + 1, "reduce_scatter_tensor": 2 * L + 1}
@@ -232,18 +239,12 @@ def _activation_bytes(rank, world_size):
     result = {}
     for sp in (False, True):
         tp = TP(dist.group.WORLD, sp)
-        blocks = torch.nn.Sequential(*[TPBlock(tp, config) for _ in range(config.n_layer)])
+        blocks = torch.nn.Sequential(*TPGPT(tp, config, seed=0, device="cpu").transformer.h)
         x = torch.randn(4, 64 // tp.size if sp else 64, config.n_embd, requires_grad=True)
-        storages = {}
-
-        def pack(t):
-            if not isinstance(t, torch.nn.Parameter):
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with SavedActivations() as saved:  # the meter behind the summary's saved_activation_bytes_per_rank
             out = blocks(x)
         out.sum().backward()
-        result[sp] = sum(storages.values())
+        result[sp] = saved.bytes
     return result
 
 
@@ -258,13 +259,21 @@ def _ckpt(path):
     return torch.load(path, weights_only=False)
 
 
-def test_checkpoint_is_the_full_format_and_equals_single_process_training(shared_run, tmp_path):
-    flags = TINY + ["--max_iters", "3"]
-    reference = _ckpt(shared_run("ddp_train.py", None, flags)[0] / "ckpt.pt")
-    for impl, extra in (("custom", ["--sequence_parallel"]), ("pytorch", [])):
-        out = tmp_path / impl
-        result = launch("tp_train.py", 2, flags + ["--implementation", impl, "--out_dir", str(out)] + extra, torchrun=False)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """3 steps at 2 ranks: custom with and without SP, pytorch; {(implementation, sp): out_dir}."""
+    out = {}
+    for impl, sp in (("custom", True), ("custom", False), ("pytorch", False)):
+        out[impl, sp] = tmp_path_factory.mktemp(f"tp-{impl}-sp{sp}")
+        flags = TINY + ["--max_iters", "3", "--implementation", impl, "--out_dir", str(out[impl, sp])]
+        result = launch("tp_train.py", 2, flags + (["--sequence_parallel"] if sp else []), torchrun=False)
         assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_checkpoint_is_the_full_format_and_equals_single_process_training(runs, shared_run):
+    reference = _ckpt(shared_run("ddp_train.py", None, TINY + ["--max_iters", "3"])[0] / "ckpt.pt")
+    for (impl, sp), out in runs.items():
         ckpt = _ckpt(out / "ckpt.pt")
         assert ckpt["step"] == 3 and list(ckpt["model"]) == list(reference["model"])
         assert set(ckpt["optimizer"]) == set(reference["optimizer"])
@@ -275,6 +284,16 @@ def test_checkpoint_is_the_full_format_and_equals_single_process_training(shared
                 assert torch.allclose(ckpt["optimizer"][name][key], state[key], atol=1e-6, rtol=1e-3), (impl, name, key)
         model = GPT(GPTConfig(**ckpt["config"]), device="meta")
         model.load_state_dict(ckpt["model"], assign=True)  # loads into the unsharded model
+
+
+def test_the_script_measures_saved_activations_and_sp_shrinks_them(runs):
+    """The summary's saved_activation_bytes_per_rank (the first micro-step, activations.first()) in both
+    implementations; SP saves less (the (B, T, V/2) softmax of the loss dominates at this size)."""
+    saved = {key: [r for r in read_metrics(out) if r.get("summary")][-1]["saved_activation_bytes_per_rank"]
+             for key, out in runs.items()}
+    print(f"saved activation bytes per rank: {saved}")
+    assert all(len(v) == 2 and min(v) > 0 for v in saved.values()), saved
+    assert max(saved["custom", True]) < min(saved["custom", False]), saved
 
 
 BAD_INPUT = [  # divisibility is checked first, so one process with --tensor_parallel_size 2 shows it cheaply

@@ -8,9 +8,9 @@ import torch.distributed as dist
 
 from conftest import TINY, launch, read_metrics, spawn, step_losses, the_one_error
 from common.data import get_batch
-from common.model import GPT, PRESETS, GPTConfig, init_tensor
-from zero3_train import Zero3, gather_full_state, held_bytes, materialize_owned_, partition
-from common.model import configure_optimizer
+from common.metrics import held_bytes, model_state_bytes
+from common.model import GPT, PRESETS, GPTConfig, configure_optimizer, init_tensor
+from zero3_train import Zero3, gather_full_state, materialize_owned_, partition
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)  # wte is 97% of P
 BALANCED = GPTConfig(block_size=16, vocab_size=256, n_layer=4, n_head=2, n_embd=64)  # no dominant tensor
@@ -36,7 +36,7 @@ def _rows(rank, world_size, config, batch=8, step=0):
 
 
 def _backward(model, zero3, x, y, accum, world_size):
-    """One optimizer step's micro-steps, as in zero3_train.py; leaves averaged owned gradients."""
+    """One optimizer step's micro-steps, as ZeRO3.forward_backward runs them; leaves averaged owned gradients."""
     micro = x.size(0) // accum
     for j in range(accum):
         zero3.sync_persistent = j == accum - 1
@@ -157,20 +157,27 @@ def _memory_ledger(rank, world_size, threshold, reuse):
     _backward(model, zero3, x, y, 1, world_size)
     after_backward = held_bytes(nonowned)
     optimizer.step()
+    state = model_state_bytes(optimizer)  # what the script reports: the optimizer's params, grads and state
+    # the same count over every tensor of the model: a freed non-owned tensor (0-byte storage) counts 0
     params = list(zero3.owner)
-    state = (held_bytes(params) + held_bytes(p.grad for p in params)
-             + held_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0))
+    everything = (held_bytes(params) + held_bytes(p.grad for p in params)
+                  + held_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)))
+    freed = [held_bytes([p]) for p in nonowned] + [p.untyped_storage().nbytes() for p in nonowned]
+    counts_held_only = state == everything and not any(freed) and all(p.numel() > 0 for p in nonowned)
     partitioned = sum(p.numel() for p in params if zero3.owner[p] is not None)
     persistent = sum(p.numel() for p in zero3.persistent())
-    return held_at, expected_at, after_backward, state, partitioned, persistent, sum(p.numel() * 4 for p in nonowned)
+    return (held_at, expected_at, after_backward, state, partitioned, persistent, sum(p.numel() * 4 for p in nonowned),
+            counts_held_only)
 
 
 @pytest.mark.parametrize("case", MEMORY_CASES, ids=[f"threshold{t}-reuse{r}" for t, r in MEMORY_CASES])
 def test_memory_ledger(ranks, case):
     world_size, threshold = 2, case[0]
-    for held_at, expected_at, after_backward, state, partitioned, persistent, nonowned in (r["memory"][case] for r in ranks):
-        # params + grads + AdamW (exp_avg, exp_avg_sq): 16 bytes per owned element, within 10% of 16P/N,
-        # plus 16 bytes per element of the persistent tensors that every rank keeps
+    for held_at, expected_at, after_backward, state, partitioned, persistent, nonowned, counts_held_only in (
+            r["memory"][case] for r in ranks):
+        assert counts_held_only, "model_state_bytes counts what is held: a freed non-owned tensor 0 bytes"
+        # params + grads + AdamW (exp_avg, exp_avg_sq): 16 bytes per owned element (and a 4-byte step per
+        # tensor), within 10% of 16P/N, plus 16 bytes per element of the persistent tensors every rank keeps
         share = 16 * partitioned / world_size + 16 * persistent
         assert abs(state - share) <= 0.1 * 16 * partitioned / world_size, (state, share)
         # measured before every module's forward and backward: only that module's (and the prefetched
