@@ -29,6 +29,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 
@@ -41,13 +42,12 @@ from common.model import GPT, configure_optimizer, init_tensor, num_params
 
 
 # ---- the strategy: flat-parameter units, gathered for use and sharded at rest -----------
+# (all_gather_single, reduce_scatter_single: torch 2.13's all_gather_into_tensor, reduce_scatter_tensor)
 
 class FlatParamUnit:
-    """The parameters of one unit flattened into one vector of `numel` values, padded to N shards of
-    `shard_size`. `tensors`: [(names, shape, owners)], a tied tensor listed once with every (module,
-    attribute) that uses it. `value_of(name, shape)` gives a tensor's full value; only the tensors
-    that overlap this rank's shard are asked for, one at a time (so deferred init never holds more
-    than one full tensor besides the shards)."""
+    """One unit's parameters as one flat vector of `numel` values, padded to N shards of `shard_size`.
+    `tensors`: [(names, shape, owners)], a tied tensor once with every (module, attribute) using it.
+    `value_of(name, shape)`: a full tensor, asked for one at a time, only if it overlaps this rank's shard."""
 
     def __init__(self, tensors, value_of, rank, world_size, device, compute_dtype):
         # Weight decay applies to tensors with >= 2 dims: they go first, so decay is one prefix range.
@@ -62,18 +62,14 @@ class FlatParamUnit:
         self.decay = max(0, min(self.shard_size, n_decay - self.start))     # local_shard[:decay] is decayed
         self.local_shard = torch.nn.Parameter(self.shard_of(value_of))  # fp32: what AdamW updates
         self.local_shard.grad = torch.zeros_like(self.local_shard)
-        for _, _, owners in self.tensors:
-            for module, attr in owners:
-                del module._parameters[attr]  # from now on a plain attribute, set by use_views()
-        self.full_shape, self.compute_dtype = (self.shard_size * world_size,), compute_dtype
-        self.flat_param = self.work = self.sent = None
+        for module, attr in [owner for _, _, owners in self.tensors for owner in owners]:
+            del module._parameters[attr]  # from now on a plain attribute, set by use_views()
+        self.compute_dtype, self.flat_param, self.work, self.sent = compute_dtype, None, None, None
         self.post_backward = None  # called with flat_param once its gradient is complete (set by the driver)
 
     def shard_of(self, value_of):
-        """This rank's piece of the flat vector of the tensors value_of(name, shape), padding zero: how
-        full tensors (the init, or a checkpoint's params and AdamW state) become a flat shard."""
-        shard = torch.zeros(self.shard_size, device=self.device)
-        offset = 0
+        """This rank's piece of the flat vector of the tensors value_of(name, shape), padding zero."""
+        shard, offset = torch.zeros(self.shard_size, device=self.device), 0
         for (names, shape, _), n in zip(self.tensors, self.numels):
             lo, hi = max(offset, self.start), min(offset + n, self.start + self.shard_size)
             if lo < hi:
@@ -89,11 +85,10 @@ class FlatParamUnit:
         if self.is_gathered():
             return
         if self.flat_param is None:
-            # The gathered vector: a leaf in compute dtype, made at first use (so init never holds it);
-            # the module's parameters become views of it, so autograd sums every view's gradient into
-            # one flat_param.grad (the tied head and embedding included), ready to reduce-scatter
-            # without a copy. Its storage exists only while gathered.
-            self.flat_param = torch.empty(self.full_shape, dtype=self.compute_dtype, device=self.device,
+            # The gathered vector, a leaf made at first use (init never holds it): the module's parameters
+            # are views of it, so autograd sums all their gradients (the tied head's and embedding's too)
+            # into one flat_param.grad, ready to reduce-scatter without a copy. Storage only while gathered.
+            self.flat_param = torch.empty(self.numel + self.padding, dtype=self.compute_dtype, device=self.device,
                                           requires_grad=True)
             self.flat_param.register_post_accumulate_grad_hook(lambda p: self.post_backward(p))
         else:
@@ -103,24 +98,21 @@ class FlatParamUnit:
         # order, straight into the flat buffer: (N-1) x shard_size x 2 or 4 bytes in. Written through
         # .data, which autograd does not version: the views that forward saved for backward stay valid
         # when backward gathers into the same storage again.
-        # (all_gather_single is torch 2.13's name for all_gather_into_tensor.)
         self.work = dist.all_gather_single(self.flat_param.data, self.sent, async_op=True)
 
     def reshard(self):
         self.flat_param.untyped_storage().resize_(0)  # frees the buffer; the views keep their shapes
 
     def use_views(self):
-        """Point the module's parameters at the gathered buffer: one split (one autograd node, so
-        flat_param's gradient is accumulated once, when all of the unit's gradients exist)."""
-        pieces = self.flat_param.split(self.numels + [self.padding])
-        for (_, shape, owners), piece in zip(self.tensors, pieces):
+        """The module's parameters as views of one split of the gathered buffer: one autograd node, so
+        flat_param.grad is accumulated once, when all of the unit's gradients exist."""
+        for (_, shape, owners), piece in zip(self.tensors, self.flat_param.split(self.numels + [self.padding])):
             for module, attr in owners:
                 setattr(module, attr, piece.view(shape))
 
 
 def unit_tensors(module, prefix, skip=None):
-    """[(names, shape, owners)] of the parameters under `module`, leaving out submodules whose name
-    starts with `skip` (the blocks, when collecting the root unit). Tied tensors are listed once."""
+    """[(names, shape, owners)] of the parameters under `module`, but not under submodules `skip*`."""
     found = {}
     for mod_name, mod in module.named_modules(prefix=prefix.rstrip(".")):
         if skip and mod_name.startswith(skip):
@@ -138,58 +130,48 @@ class FullyShardedGPT:
     gather before forward, reshard after, gather again before backward, reduce-scatter after."""
 
     def __init__(self, model, value_of, rank, world_size, device, compute_dtype, reshard_after_forward, prefetch):
-        make = partial(FlatParamUnit, value_of=value_of, rank=rank, world_size=world_size, device=device,
-                       compute_dtype=compute_dtype)
-        self.blocks = [make(unit_tensors(b, f"transformer.h.{i}.")) for i, b in enumerate(model.transformer.h)]
-        self.root = make(unit_tensors(model, "", skip="transformer.h."))
+        kw = dict(value_of=value_of, rank=rank, world_size=world_size, device=device, compute_dtype=compute_dtype)
+        self.blocks = [FlatParamUnit(unit_tensors(block, f"transformer.h.{i}."), **kw)
+                       for i, block in enumerate(model.transformer.h)]
+        self.root = FlatParamUnit(unit_tensors(model, "", skip="transformer.h."), **kw)
         self.units = self.blocks + [self.root]
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.pending = []  # in-flight reduce-scatters: (unit, received shard, sent gradient, work)
-        model.register_forward_pre_hook(self._root_pre_forward)
+        units, modules = [self.root, *self.blocks], [model, *model.transformer.h]  # in forward's order
+        for unit, module, next_unit in zip(units, modules, [*self.blocks, None]):
+            module.register_forward_pre_hook(partial(self._pre_forward, unit, next_unit))
+        for block, module, previous in zip(self.blocks, model.transformer.h, [None, *self.blocks]):
+            module.register_forward_hook(partial(self._post_forward, block, previous))
         model.register_forward_hook(self._root_post_forward)
-        for i, block in enumerate(model.transformer.h):
-            block.register_forward_pre_hook(partial(self._pre_forward, i))
-            block.register_forward_hook(partial(self._post_forward, i))
         for unit in self.units:
             unit.post_backward = partial(self._post_backward, unit)
 
-    def _ready(self, unit):
+    def _gather(self, unit, next_unit):
+        """Wait for unit's all-gather (started now if not prefetched), then start next_unit's."""
         unit.unshard()
         if unit.work is not None:
             with timers("exposed_comm"):  # the part of the all-gather that prefetch did not hide
                 unit.work.wait()
             unit.work = unit.sent = None
+        if self.prefetch and next_unit is not None:
+            next_unit.unshard()  # overlaps this unit's forward or backward
 
-    def _root_pre_forward(self, model, args):
-        # The root stays gathered through forward and backward (its embedding is used first and its
-        # head last), like FSDP2's root; it is freed once its gradient is complete.
-        self._ready(self.root)
-        self.root.use_views()
-        if self.prefetch and self.blocks:
-            self.blocks[0].unshard()
+    def _pre_forward(self, unit, next_unit, module, args):
+        self._gather(unit, next_unit)
+        unit.use_views()
 
-    def _pre_forward(self, i, block, args):
-        self._ready(self.blocks[i])
-        self.blocks[i].use_views()
-        if self.prefetch and i + 1 < len(self.blocks):
-            self.blocks[i + 1].unshard()  # overlaps block i's forward
-
-    def _post_forward(self, i, block, args, out):
+    def _post_forward(self, block, previous, module, args, out):
         if self.reshard_after_forward or not torch.is_grad_enabled():
-            self.blocks[i].reshard()
-        if torch.is_grad_enabled():
-            out.register_hook(lambda grad: self._pre_backward(i))  # runs before block i's backward
+            block.reshard()
+        if torch.is_grad_enabled():  # runs before the block's backward, which needs the block before it next
+            out.register_hook(lambda grad: self._gather(block, previous))
 
     def _root_post_forward(self, model, args, out):
+        # The root stays gathered until its gradient is complete: its embedding runs first, its head last.
         if not torch.is_grad_enabled():
             self.root.reshard()
         elif self.prefetch and self.blocks:
             self.blocks[-1].unshard()  # the first block backward needs: overlaps the loss and head backward
-
-    def _pre_backward(self, i):
-        self._ready(self.blocks[i])
-        if self.prefetch and i > 0:
-            self.blocks[i - 1].unshard()  # overlaps block i's backward
 
     def _post_backward(self, unit, flat_param):
         # Runs once per backward, when autograd has summed all of the unit's gradients into flat_param.grad.
@@ -199,24 +181,17 @@ class FullyShardedGPT:
         shard = torch.empty(unit.shard_size, device=grad.device)
         # Each rank sends shard j of its flat gradient to rank j ((N-1) x shard_size x 4 bytes out) and
         # receives the others' shard `rank`, averaged: the mean over ranks of this rank's shard.
-        # (reduce_scatter_single is torch 2.13's name for reduce_scatter_tensor.)
         work = dist.reduce_scatter_single(shard, grad, op=dist.ReduceOp.AVG, async_op=True)
         self.pending.append((unit, shard, grad, work))
-        if len(self.pending) > 2:  # bound the full gradients held in flight to two units
-            self._finish(self.pending.pop(0))
+        self.finish_backward(in_flight=2)  # bound the full gradients held in flight to two units
 
-    def _finish(self, pending):
-        unit, shard, _, work = pending
-        with timers("exposed_comm"):  # the part of the reduce-scatter that backward did not hide
-            work.wait()
-        # Accumulate into the sharded gradient (gradient accumulation reduce-scatters every micro-step:
-        # 4P/N bytes of gradient held instead of 4P, for A x the reduce-scatter traffic).
-        unit.local_shard.grad += shard
-
-    def finish_backward(self):
-        """The wait at the end of backward for the reduce-scatters still in flight."""
-        while self.pending:
-            self._finish(self.pending.pop(0))
+    def finish_backward(self, in_flight=0):
+        """Wait for the oldest reduce-scatters until `in_flight` remain (0: the end of backward)."""
+        while len(self.pending) > in_flight:
+            unit, shard, _, work = self.pending.pop(0)
+            with timers("exposed_comm"):  # the part of the reduce-scatter that backward did not hide
+                work.wait()
+            unit.local_shard.grad += shard  # accumulated over micro-steps in the sharded gradient
 
 
 class ShardedAdamW(torch.optim.AdamW):
@@ -257,8 +232,7 @@ class FSDP:
         self.units = self.fsdp.units
         self.sharded_state = load_sharded(args.resume_sharded, self.units) if args.resume_sharded else ()
         for unit, saved in zip(self.units, self.sharded_state):  # this rank's own file: the shards as saved
-            with torch.no_grad():
-                unit.local_shard.copy_(saved.pop("local_shard"))
+            unit.local_shard.data.copy_(saved.pop("local_shard"))
 
     def configure_optimizer(self, args, state=None):
         optimizer = ShardedAdamW(self.units, args)
@@ -270,7 +244,7 @@ class FSDP:
         return optimizer
 
     def forward_backward(self, x, y, sync):
-        """One micro-step; returns its loss. Each one reduce-scatters (see _finish): sync is not needed."""
+        """One micro-step; returns its loss. Each one reduce-scatters (see finish_backward): sync is not needed."""
         with autocast(self.args, self.device):
             _, loss = self.model(x, y)
         (loss / self.args.grad_accum_steps).backward()  # each micro-step is 1/A of this rank's rows
@@ -294,15 +268,17 @@ class FSDP:
         tensors, optim = {}, {}
         for unit in self.units:
             state = optimizer.state.get(unit.local_shard, {})
-            sources = {"param": unit.local_shard.detach(), **{k: state[k] for k in ("exp_avg", "exp_avg_sq") if k in state}}
-            for key, shard in sources.items():
-                gathered = shard.new_empty(unit.shard_size * dist.get_world_size())
-                dist.all_gather_single(gathered, shard.contiguous())  # the shards of every rank, in rank order
+            for key in ["param"] + [k for k in ("exp_avg", "exp_avg_sq") if k in state]:
+                shard = unit.local_shard.detach() if key == "param" else state[key]
+                gathered = shard.new_empty(unit.numel + unit.padding)
+                # every rank's shard to every rank, in rank order: (N-1) x shard_size x 4 bytes in
+                dist.all_gather_single(gathered, shard.contiguous())
                 for (names, shape, _), piece in zip(unit.tensors, gathered.split(unit.numels + [unit.padding])):
+                    value = piece.view(shape).cpu()
                     if key == "param":
-                        tensors.update({name: piece.view(shape).cpu().clone() for name in names})
+                        tensors.update({name: value.clone() for name in names})
                     else:
-                        optim.setdefault(names[0], {"step": state["step"].clone()})[key] = piece.view(shape).cpu().clone()
+                        optim.setdefault(names[0], {"step": state["step"].clone()})[key] = value.clone()
         return {k: tensors[k] for k in self.state_keys}, optim
 
     def describe(self):
@@ -311,16 +287,17 @@ class FSDP:
 
 
 def add_fsdp_flags(group):
-    add_bool(group, "--reshard_after_forward", True, "free gathered units after forward (false: keep until backward, like ZeRO-2)")
+    add_bool(group, "--reshard_after_forward", True, "free gathered blocks after forward (false: ZeRO-2-like)")
     add_bool(group, "--prefetch", True, "start the next unit's all-gather early (false: custom only)")
     add_bool(group, "--deferred_init", False, "custom only: build on the meta device, materialise one tensor at a time")
-    add_bool(group, "--sharded_checkpoint", False, "custom only: also write out_dir/sharded/ (a file per rank + manifest)")
+    add_bool(group, "--sharded_checkpoint", False, "custom only: also write out_dir/sharded/, a file per rank")
     group.add_argument("--resume_sharded", default=None, help="custom only: resume from this sharded checkpoint folder")
 
 
 def check_fsdp_args(args, world_size):
     """Bad input ends every rank with one line, before anything is built. Returns the DP size."""
-    for flag, default in (("prefetch", True), ("deferred_init", False), ("sharded_checkpoint", False), ("resume_sharded", None)):
+    custom_only = dict(prefetch=True, deferred_init=False, sharded_checkpoint=False, resume_sharded=None)
+    for flag, default in custom_only.items():
         if args.implementation == "pytorch" and getattr(args, flag) != default:  # FSDP2 always prefetches
             die(f"--{flag}: {str(getattr(args, flag)).lower()} is only supported by --implementation custom")
     if args.resume_sharded and not os.path.exists(os.path.join(args.resume_sharded, "manifest.pt")):
@@ -340,9 +317,8 @@ def load_sharded(path, units):
 
 
 def checkpoint(step, model, optimizer, config, args):
-    """common's full checkpoint (gathered; rank 0 writes ckpt.pt). --sharded_checkpoint also writes
-    out_dir/sharded/: each rank its own shards and their AdamW state (no communication), rank 0 a
-    manifest. It loads on the same number of ranks only; ckpt.pt is the portable format."""
+    """common's full checkpoint (ckpt.pt: gathered, portable). --sharded_checkpoint also writes out_dir/sharded/:
+    each rank its shards and AdamW state (no communication), rank 0 a manifest: for the same world size only."""
     full_checkpoint(step, model, optimizer, config, args)
     if args.sharded_checkpoint:
         path, rank, units = os.path.join(args.out_dir, "sharded"), dist.get_rank(), model.units
@@ -356,8 +332,7 @@ def checkpoint(step, model, optimizer, config, args):
 
 
 def resume(args):
-    """common's resume; with --resume_sharded the step is the sharded checkpoint's (FSDP and its
-    configure_optimizer load this rank's shards and AdamW state from the folder)."""
+    """common's resume; with --resume_sharded, the sharded checkpoint's step (FSDP loads the rest)."""
     ckpt = full_resume(args)
     if args.resume_sharded:
         manifest = torch.load(os.path.join(args.resume_sharded, "manifest.pt"), weights_only=False)
@@ -472,7 +447,6 @@ class TorchFSDP(FSDP):
         return clip_grad_norm_([p.grad.to_local() for p in self.model.parameters()], [], max_norm)
 
     def full_state(self, optimizer):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # complete on rank 0
         return (get_model_state_dict(self.model, options=options),
                 get_optimizer_state_dict(self.model, optimizer, options=options).get("state", {}))

@@ -1,24 +1,18 @@
 """PP: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B), written by hand with send/recv.
 
-The n_layer blocks are cut into n_stages = pp_size * V equal stages, V ("virtual stages", chunks)
-per rank: rank r runs stages r, r + pp_size, ... . The first stage also holds wte/wpe, the last
-ln_f and lm_head. Every rank sees every row (no data parallelism): each micro-step's `micro` rows
-are cut into M micro-batches of micro/M rows, which flow through the stages.
-  memory per rank:  about 16P/pp_size (fp32 params + grads + AdamW), plus on the last rank a copy of
-                    the tied wte (lm_head); activations of the micro-batches between their F and B.
-  communication:    after a micro-batch's forward its activation (micro/M x T x C fp32, 4 bytes each)
-                    goes to the next stage, and its gradient comes back after that stage's backward:
-                    2*M*(n_stages-1) messages a micro-step; plus one all-reduce of the tied wte/lm_head
-                    gradient (4*vocab*C bytes) between the first and the last rank a step.
-The schedule orders the forwards (F) and backwards (B) of each rank:
+The n_layer blocks are cut into n_stages = pp_size * V equal stages, V ("virtual stages", chunks) per rank:
+rank r runs stages r, r + pp_size, ...; the first also holds wte/wpe, the last ln_f and lm_head. Every rank
+sees every row (no data parallelism): each micro-step's `micro` rows are cut into M micro-batches.
+  memory per rank:  about 16P/pp_size (fp32 params + grads + AdamW), plus a copy of the tied wte (lm_head) on
+                    the last rank; activations of the micro-batches between their F and B.
+  communication:    each micro-batch's activation (micro/M x T x C fp32) goes to the next stage and its gradient
+                    comes back: 2*M*(n_stages-1) messages a micro-step; plus one all-reduce of the tied
+                    wte/lm_head gradient (4*vocab*C bytes) between the first and the last rank a step.
+The schedule orders each rank's forwards (F) and backwards (B). With equal stages a rank idles (the "bubble")
+(pp_size-1)/(M+pp_size-1) of a step; --print_schedule measures it and draws a timeline per rank.
   gpipe        all M forwards, then all M backwards: M micro-batches' activations live at once.
-  1f1b         pp_size-r-1 warm-up forwards, then one forward one backward, then the remaining
-               backwards: at most pp_size micro-batches live, whatever M is.
-  interleaved  1F1B over V chunks per rank (Megatron): the idle "bubble" shrinks by V, for V times
-               more messages.
-Idle fraction with equal stages: (pp_size-1)/(M+pp_size-1), divided by V when interleaved;
---print_schedule prints the measured one, a timeline per rank, and the same model of the schedule
-for the measured stage times.
+  1f1b         pp_size-r-1 warm-up forwards, then one F one B: at most pp_size micro-batches live, whatever M is.
+  interleaved  1F1B over V chunks per rank (Megatron): V times less bubble, for V times more messages.
 
 Run:
   python pp_train.py                                   # single process: one stage, the reference
@@ -52,95 +46,84 @@ WTE = "transformer.wte.weight"  # lm_head.weight is tied to it: the last stage h
 # ---- the strategy: stages, schedules, and the executor that runs them with send/recv ---------
 
 class Stage(nn.Module):
-    """Global stage `index` of `n_stages`: its blocks (named as in GPT, e.g. transformer.h.2, so
-    checkpoints and optimizer state keep GPT's names), plus wte/wpe on the first stage and
-    ln_f/lm_head on the last. Only these tensors get storage, each from value_of(GPT name, shape)."""
+    """Global stage `index` of `n_stages`: its blocks (named as in GPT, e.g. transformer.h.2, so checkpoints and
+    optimizer state keep GPT's names), plus wte/wpe on the first stage and ln_f/lm_head on the last. Only these
+    tensors get storage, from the full checkpoint `state` or GPT's init."""
 
-    def __init__(self, config, index, n_stages, value_of, device):
+    def __init__(self, config, index, n_stages, state, seed, device):
         super().__init__()
-        full = GPT(config, device="meta")  # the whole model without storage: we only borrow its pieces
-        per = config.n_layer // n_stages
-        self.first, self.last = index == 0, index == n_stages - 1
-        self.blocks = range(index * per, (index + 1) * per)
-        parts = {"h": nn.ModuleDict({str(i): full.transformer.h[i] for i in self.blocks})}
-        if self.first:
-            parts.update(wte=full.transformer.wte, wpe=full.transformer.wpe, drop=full.transformer.drop)
-        if self.last:
-            parts["ln_f"] = full.transformer.ln_f
-        self.transformer = nn.ModuleDict(parts)
+        full = GPT(config, device="meta").transformer  # the whole model without storage: we borrow its pieces
+        per, self.first, self.last = config.n_layer // n_stages, index == 0, index == n_stages - 1
+        self.transformer = nn.ModuleDict(dict(
+            h=nn.ModuleDict({str(i): full.h[i] for i in range(index * per, (index + 1) * per)}),
+            **(dict(wte=full.wte, wpe=full.wpe, drop=full.drop) if self.first else {}),
+            **(dict(ln_f=full.ln_f) if self.last else {})))
         if self.last:  # its own Parameter: a copy of wte unless this stage also holds wte
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False, device="meta")
         self.to_empty(device=device)
         if self.first and self.last:
             self.lm_head.weight = self.transformer.wte.weight  # one stage: the tie is the same tensor
         with torch.no_grad():
-            for name, p in self.named_parameters():  # the copy of wte starts from wte's values
-                p.copy_(value_of(WTE if name == "lm_head.weight" else name, p.shape))
+            for name, p in self.named_parameters():
+                name = WTE if name == "lm_head.weight" else name  # the copy of wte starts from wte's values
+                p.copy_(state[name] if state is not None else init_tensor(name, p.shape, config, seed))
 
-    def forward(self, x):  # token ids on the first stage, else the previous stage's activation
+    def forward(self, x, targets=None):  # token ids on the first stage, else the previous stage's activation
         if self.first:
             pos = torch.arange(x.size(1), device=x.device)
             x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
         for block in self.transformer.h.values():
             x = block(x)
-        return self.lm_head(self.transformer.ln_f(x)) if self.last else x  # logits on the last stage
+        if not self.last:
+            return x
+        logits = self.lm_head(self.transformer.ln_f(x))  # the last stage: logits, or their mean loss
+        return logits if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def schedule_actions(schedule, rank, stages, microbatches, virtual=1):
-    """The ordered actions of `rank` for one batch: (op, microbatch, chunk) with op "F" or "B";
-    chunk c of rank r is global stage c*stages + r. A pure function, so tests can check orders."""
-    p, m = stages, microbatches
-    if schedule == "gpipe":
-        return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
-    if schedule == "1f1b":
-        # Warm-up: rank r runs p-r-1 forwards before its first backward can arrive, then alternates,
-        # so at most p-r micro-batches are between their forward and backward on rank r.
-        warmup = min(p - rank - 1, m)
-        steady = [a for i in range(m - warmup) for a in (("F", warmup + i, 0), ("B", i, 0))]
-        return [("F", i, 0) for i in range(warmup)] + steady + [("B", i, 0) for i in range(m - warmup, m)]
-    # interleaved (Megatron): the k-th forward of every rank is micro-batch (k // pV) * p + k % p of
-    # chunk (k // p) % V: p micro-batches go through chunk 0, then the same p through chunk 1, ...
-    # The k-th backward walks the chunks in reverse. Warm-up is longer: 2(p-r-1) + (V-1)p forwards.
-    V, total = virtual, m * virtual
+    """The ordered actions of `rank` for one batch: (op, microbatch, chunk) with op "F" or "B"; chunk c of rank r
+    is global stage c*stages + r. A pure function, so tests can check orders. Every schedule is: warm-up forwards,
+    then one forward one backward, then the remaining backwards; they differ in the warm-up."""
+    # The k-th forward of a rank is micro-batch (k // pV) * p + k % p of chunk (k // p) % V: p micro-batches go
+    # through chunk 0, then the same p through chunk 1, ... (V = 1: micro-batch k). Backwards: chunks in reverse.
+    p, V, total = stages, virtual, microbatches * virtual
 
     def forward(k):
         return ("F", k // (p * V) * p + k % p, k // p % V)
 
     def backward(k):
         return ("B", k // (p * V) * p + k % p, V - 1 - k // p % V)
-    warmup = min(2 * (p - rank - 1) + (V - 1) * p, total)
+    # gpipe: every forward first. 1f1b: rank r runs p-r-1 forwards before its first backward can arrive, so at
+    # most p-r micro-batches are between their forward and backward. interleaved (Megatron): 2(p-r-1) + (V-1)p.
+    warmup = min({"gpipe": total, "1f1b": p - rank - 1}.get(schedule, 2 * (p - rank - 1) + (V - 1) * p), total)
     steady = [a for k in range(total - warmup) for a in (forward(warmup + k), backward(k))]
     return [forward(k) for k in range(warmup)] + steady + [backward(k) for k in range(total - warmup, total)]
 
 
 def sum_tied_gradient(chunks, rank, pp_size, tied_group):
-    """wte (rank 0) and its copy lm_head (rank pp_size-1) each got one part of the tied gradient: the
-    lookup's and the head's. Both ranks send their vocab x C fp32 gradient (4*vocab*C bytes) and
-    receive the other's: after the sum both hold the full tied gradient, take identical AdamW steps
-    and stay equal without ever sending the weight. One rank: the tie is one tensor already."""
-    if pp_size > 1 and rank in (0, pp_size - 1):
+    """wte (rank 0) and its copy lm_head (rank pp_size-1) each got one part of the tied gradient, the lookup's and
+    the head's. Both ranks send their vocab x C fp32 gradient (4*vocab*C bytes) and receive the other's: after the
+    sum both hold the full tied gradient, take identical AdamW steps and stay equal without ever sending the weight."""
+    if pp_size > 1 and rank in (0, pp_size - 1):  # one rank: the tie is one tensor already
         tied = chunks[0].transformer.wte.weight if rank == 0 else chunks[-1].lm_head.weight
         dist.all_reduce(tied.grad, group=tied_group)
 
 
 class Pipeline:
-    """The strategy behind the few methods the training loop calls: this rank's chunks (Stages) and its
-    actions of the schedule, run over each micro-step's M micro-batches with send/recv."""
+    """The strategy behind the loop's few methods: this rank's chunks (Stages) and its schedule's actions."""
 
     def __init__(self, config, args, device, state=None):
-        self.config, self.args, self.device = config, args, device
-        self.rank, self.pp_size, V, self.M = dist.get_rank(), dist.get_world_size(), args.virtual_stages, args.n_microbatches
+        self.config, self.args, self.device, self.M = config, args, device, args.n_microbatches
+        self.rank, self.pp_size, V = dist.get_rank(), dist.get_world_size(), args.virtual_stages
         self.n_stages = self.pp_size * V
-
-        def value_of(name, shape):  # this rank's tensors, by GPT name: from the full checkpoint, or GPT's init
-            return state[name] if state is not None else init_tensor(name, shape, config, args.seed)
-        self.chunks = [Stage(config, c * self.pp_size + self.rank, self.n_stages, value_of, device) for c in range(V)]
-        # Groups are made by every rank, in the same order. tied_group: the ranks holding wte and its copy.
-        ranks = list(range(self.pp_size))
-        self.act_group, self.grad_group = dist.new_group(ranks), dist.new_group(ranks)
+        self.chunks = nn.ModuleList(Stage(config, c * self.pp_size + self.rank, self.n_stages, state, args.seed,
+                                          device) for c in range(V))
+        # Made by every rank, in the same order. Activations and their gradients get a communicator each, so a
+        # message is matched only with its own kind (ranks 0 and pp_size-1 send both kinds the same way when
+        # interleaved), in the order sent (schedules keep it per kind). tied_group: wte's rank and its copy's.
+        self.act_group, self.grad_group = dist.new_group(), dist.new_group()
         self.tied_group = dist.new_group([0, self.pp_size - 1]) if self.pp_size > 1 else None
         self.actions = schedule_actions(args.schedule, self.rank, self.pp_size, self.M, V)
-        self.dtype = torch.float32  # on the wire: the residual stream stays fp32 under bf16 autocast too
 
     def named_parameters(self):
         return [(n, q) for chunk in self.chunks for n, q in chunk.named_parameters()]
@@ -149,66 +132,52 @@ class Pipeline:
         named = self.named_parameters()
         optimizer = configure_optimizer(named, args.weight_decay, args.learning_rate, (args.beta1, args.beta2))
         for n, q in named if state else ():  # the copy of wte takes wte's state: they get the same gradient
-            set_adamw_state(optimizer, q, state[WTE if n == "lm_head.weight" else n], lambda t: t.to(self.device, copy=True))
+            set_adamw_state(optimizer, q, state[WTE if n == "lm_head.weight" else n],
+                            lambda t: t.to(self.device, copy=True))
         return optimizer
 
     def forward_backward(self, x, y, sync):
-        """One micro-step: its rows cut into M micro-batches, run through this rank's actions. Returns the
-        micro-step's loss on the last rank (the mean of its micro-batches' losses), 0 elsewhere. sync=False
-        leaves the tied gradient's all-reduce to the last micro-step (gradient accumulation)."""
+        """One micro-step as M micro-batches through this rank's actions: its loss on the last rank, else 0."""
         loss = self.run(self.actions, x.chunk(self.M), y.chunk(self.M))
-        if sync:
+        if sync:  # else the tied gradient waits for the last micro-step (gradient accumulation)
             sum_tied_gradient(self.chunks, self.rank, self.pp_size, self.tied_group)
         return loss
 
-    def stage_forward(self, c, inp, y):
-        """Chunk c's forward of one micro-batch; on the last stage its mean loss."""
-        with autocast(self.args, self.device):
-            out = self.chunks[c](inp)
-        if c * self.pp_size + self.rank == self.n_stages - 1:
-            out = F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
-        return out
-
     def run(self, actions, xs, ys):
-        """Runs `actions` over the micro-batches xs[i], ys[i]; returns the mean of their losses on the
-        last stage, 0 elsewhere. Without grad (evaluation): forwards only.
-
-        Activations travel on act_group, their gradients on grad_group: two communicators, so a message
-        is matched only with its own kind (between ranks 0 and pp_size-1 both kinds flow the same way
-        when interleaved), and in the order the sender sent it (schedules keep that order per kind).
-        Receives block (the data is needed now); sends are asynchronous, so no rank waits on a peer that
-        is itself waiting in a send. Shapes are fixed (rows x T x C), so no shape is ever exchanged."""
-        shape, last, r, pp_size = (*xs[0].shape, self.config.n_embd), self.n_stages - 1, self.rank, self.pp_size
-        stash, sends = {}, []  # stash: (microbatch, chunk) -> (its input, the gradient edge of its output)
-        loss_sum = torch.zeros((), device=self.device)
+        """Runs `actions` over the micro-batches xs[i], ys[i]; returns the mean of their losses on the last stage,
+        0 elsewhere. Without grad (evaluation): forwards only. Receives block (the data is needed now); sends are
+        asynchronous, so no rank waits on a peer that is itself waiting in a send."""
+        r, p, last, A = self.rank, self.pp_size, self.n_stages - 1, self.args.grad_accum_steps
+        shape = (*xs[0].shape, self.config.n_embd)  # fixed, never exchanged; fp32 under bf16 autocast too
+        stash, sends, loss_sum = {}, [], torch.zeros((), device=self.device)  # stash: see the end of a forward
         for op, mb, c in actions:
-            s = c * pp_size + r  # this chunk's global stage
+            s = c * p + r  # this chunk's global stage
             sends = [(w, t) for w, t in sends if not w.is_completed()]  # a delivered tensor is freed here
             if op == "F":
-                inp = xs[mb] if s == 0 else torch.empty(shape, dtype=self.dtype, device=self.device)
+                inp = xs[mb] if s == 0 else torch.empty(shape, device=self.device)
                 if s > 0:  # the previous stage's output for this micro-batch: 4*rows*T*C bytes from rank r-1
-                    dist.recv(inp, src=(r - 1) % pp_size, group=self.act_group)
+                    dist.recv(inp, src=(r - 1) % p, group=self.act_group)
                     inp.requires_grad_(torch.is_grad_enabled())
-                with timers("compute", label=(op, mb, c)):
-                    out = self.stage_forward(c, inp, ys[mb])
+                with timers("compute", label=(op, mb, c)), autocast(self.args, self.device):
+                    out = self.chunks[c](inp, ys[mb])  # on the last stage: the micro-batch's mean loss
                 if s == last:
                     loss_sum += out.detach() / len(xs)
-                    out = out / (len(xs) * self.args.grad_accum_steps)  # a micro-batch is 1/(M*A) of the step
+                    out = out / (len(xs) * A)  # a micro-batch is 1/(M*A) of the step
                 else:  # to the next stage: rank r+1 (rank 0 again when the last rank's chunk c < V-1)
-                    sends.append((dist.isend(out.detach(), dst=(r + 1) % pp_size, group=self.act_group), out.detach()))
+                    sends.append((dist.isend(out.detach(), dst=(r + 1) % p, group=self.act_group), out.detach()))
                 if torch.is_grad_enabled():
                     # Keep the input (its gradient goes back) and only the output's autograd edge: the output
                     # itself is freed once its send completes (the ops after it saved their own inputs).
                     stash[(mb, c)] = (inp, get_gradient_edge(out))
             else:
                 inp, edge = stash.pop((mb, c))
-                grad = None if s == last else torch.empty(shape, dtype=self.dtype, device=self.device)
+                grad = None if s == last else torch.empty(shape, device=self.device)
                 if s != last:  # d(loss)/d(our output) from the next stage: 4*rows*T*C bytes
-                    dist.recv(grad, src=(r + 1) % pp_size, group=self.grad_group)
+                    dist.recv(grad, src=(r + 1) % p, group=self.grad_group)
                 with timers("compute", label=(op, mb, c)):
                     torch.autograd.backward(edge, grad)
                 if s != 0:  # d(loss)/d(our input) to the previous stage
-                    sends.append((dist.isend(inp.grad, dst=(r - 1) % pp_size, group=self.grad_group), inp.grad))
+                    sends.append((dist.isend(inp.grad, dst=(r - 1) % p, group=self.grad_group), inp.grad))
                 del inp, edge
         for work, _ in sends:
             work.wait()
@@ -217,16 +186,14 @@ class Pipeline:
     @torch.no_grad()
     def eval_loss(self, x, y):
         """Forwards only through the pipeline: the loss on the last rank, 0 elsewhere."""
-        for chunk in self.chunks:
-            chunk.eval()
+        self.chunks.eval()
         loss = self.run([a for a in self.actions if a[0] == "F"], x.chunk(self.M), y.chunk(self.M))
-        for chunk in self.chunks:
-            chunk.train()
+        self.chunks.train()
         return loss
 
     def clip_grad_norm_(self, max_norm):
-        # Each rank holds its own stages' gradients: their squares are summed over all ranks (4 bytes).
-        # The copy of wte (lm_head on the last rank) is left out so the tied weight counts once, but clipped.
+        # Each rank holds its own stages' gradients: their squares are summed over all ranks (4 bytes). The
+        # copy of wte (lm_head on the last rank) is left out so the tied weight counts once, but clipped.
         named = self.named_parameters()
         norm = clip_grad_norm_([q.grad for n, q in named if n != "lm_head.weight"], [], 0)  # 0: only measure
         if max_norm > 0:
@@ -234,9 +201,8 @@ class Pipeline:
         return norm
 
     def full_state(self, optimizer):
-        """Every rank sends its tensors and their AdamW state, by GPT name, to rank 0 (gather_object:
-        the whole model once over the wire), which assembles the full format. The copy of wte is not
-        sent: lm_head.weight is written from wte, as in a tied GPT's state_dict."""
+        """Every rank sends its tensors and AdamW state, by GPT name, to rank 0 (gather_object: the whole model
+        once over the wire). The copy of wte stays: lm_head.weight is written from wte, as in a tied GPT."""
         named = [(n, q) for n, q in self.named_parameters() if n != "lm_head.weight"]
         mine = ({n: q.detach().cpu() for n, q in named},
                 {n: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in optimizer.state[q].items()}
@@ -253,20 +219,21 @@ class Pipeline:
         per, last = self.config.n_layer // self.n_stages, self.n_stages - 1
         return f"{self.args.schedule} schedule, {self.M} micro-batches a micro-step" + "".join(
             f"\n  stage {s} (rank {s % self.pp_size}): " + ("wte, wpe, " if s == 0 else "")
-            + f"blocks {s * per}-{s * per + per - 1}" + (", ln_f, lm_head" if s == last else "") for s in range(self.n_stages))
+            + f"blocks {s * per}-{s * per + per - 1}" + (", ln_f, lm_head" if s == last else "")
+            for s in range(self.n_stages))
 
 
 def add_pp_flags(group):
     group.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
-    group.add_argument("--n_microbatches", type=int, default=4, help="micro-batches per micro-step (accumulation chunk)")
+    group.add_argument("--n_microbatches", type=int, default=4, help="micro-batches per micro-step")
     group.add_argument("--virtual_stages", type=int, default=None, help="chunks per rank, interleaved only (default 2)")
-    group.add_argument("--print_schedule", action="store_true", help="custom only: time every step; print the last one's timeline and the bubble")
+    group.add_argument("--print_schedule", action="store_true",
+                       help="custom only: time every step; print the last one's timeline and the bubble")
 
 
 def check_pp_args(args, world_size):
-    """Bad input ends every rank with one line, before anything is built. Returns the DP size: 1 (every
-    rank runs every row, through its own stages)."""
-    pp_size = world_size  # one stage (V chunks) per rank: no data parallelism here
+    """Bad input ends every rank with one line, before anything is built. Returns the DP size: 1."""
+    pp_size = world_size  # one stage (V chunks) per rank; every rank runs every row: no data parallelism
     if args.virtual_stages is not None and args.schedule != "interleaved":
         die(f"--virtual_stages: only with --schedule interleaved (got --schedule {args.schedule})")
     V = args.virtual_stages = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
@@ -367,44 +334,21 @@ def peak_live(actions, size=lambda chunk: 1):
 
 
 def activation_bytes(model, rows, T):
-    """Bytes autograd saves for one micro-batch's forward through each chunk of this rank, measured on a
-    zero batch (token ids on the first stage, else an activation); the meter leaves parameters out."""
-    sizes, ids = [], torch.zeros(rows, T, dtype=torch.long, device=model.device)
+    """Bytes autograd saves (parameters left out) for one micro-batch's forward through each chunk of this rank,
+    measured on a zero batch: token ids on the first stage, else an activation."""
+    ids, sizes = torch.zeros(rows, T, dtype=torch.long, device=model.device), []
     for c in range(len(model.chunks)):
-        inp = ids if c == 0 and model.rank == 0 else torch.zeros(
-            rows, T, model.config.n_embd, dtype=model.dtype, device=model.device, requires_grad=True)
-        with SavedActivations() as meter:
-            model.stage_forward(c, inp, ids.clone())  # targets: a storage of their own, as in training
+        act = torch.zeros(rows, T, model.config.n_embd, device=model.device, requires_grad=True)
+        with SavedActivations() as meter, autocast(model.args, model.device):  # targets: own storage, as in training
+            model.chunks[c](ids if c == 0 and model.rank == 0 else act, ids.clone())
         sizes.append(meter.bytes)
     return sizes
 
 
-def print_timeline(spans, V, width=96):
-    """ASCII timeline of one measured step: one row per rank, each action drawn over its measured
-    time ('F3' = forward of micro-batch 3; chunk letter a, b, .. when interleaved), '.' = idle."""
-    end = max(t1 for rank_spans in spans for _, _, t1 in rank_spans)
-    print(f"timeline of the last step ({end * 1000:.1f} ms, {width} columns):")
-    for rank, rank_spans in enumerate(spans):
-        line = ["."] * width
-        for (op, mb, c), t0, t1 in rank_spans:
-            a = min(int(t0 / end * width), width - 1)
-            b = max(a + 1, int(t1 / end * width))
-            label = f"{op}{mb}{'abcdefghij'[c] if V > 1 else ''}" + "-" * width
-            line[a:b] = label[:b - a]
-        print(f"  rank {rank} |{''.join(line[:width])}|")
-
-
-def bubble_fraction(spans):
-    """Mean over ranks of the idle fraction of the step (the time not spent in an F or B)."""
-    end = max(t1 for rank_spans in spans for _, _, t1 in rank_spans)
-    return statistics.mean(1 - sum(t1 - t0 for _, t0, t1 in rank_spans) / end for rank_spans in spans)
-
-
 class ScheduleReport:
-    """--print_schedule: each step starts on every rank at once (a barrier), every F and B is a span of
-    timers("compute"), and each step's spans are gathered from all ranks; at the end rank 0 prints the
-    last step's timeline and the bubble. The summary gets the schedule's peak live micro-batches and
-    activation bytes per rank (hand-written executor only: PyTorch's schedules are its own)."""
+    """--print_schedule: every step starts on all ranks at once (a barrier) and its F and B spans (timers("compute"))
+    are gathered from all ranks; at the end rank 0 prints the last step's timeline and the bubble. The summary gets
+    each rank's peak live micro-batches and activation bytes (custom only: PyTorch's schedules are its own)."""
 
     def __init__(self, args, model):
         self.args, self.model, self.steps = args, model, []  # steps: per step, every rank's spans
@@ -421,7 +365,6 @@ class ScheduleReport:
             dist.all_gather_object(self.steps[-1], timers.last_spans)
 
     def summary(self):
-        """Prints the timeline and bubble (rank 0); returns this rank's values for metrics.summary."""
         args, model, extra = self.args, self.model, {}
         if args.implementation == "custom":
             size = activation_bytes(model, args.batch_size // args.grad_accum_steps // model.M, args.block_size)
@@ -429,55 +372,57 @@ class ScheduleReport:
                          peak_activation_bytes=peak_live(model.actions, lambda c: size[c]))
         if not self.steps or not all(self.steps[-1]):  # no --print_schedule, or PyTorch's (untimed) schedule
             return extra
-        pp_size, M, V = model.pp_size, model.M, args.virtual_stages
-        bubbles = [bubble_fraction(spans) for spans in self.steps]
-        busy = [statistics.median(1000 * sum(t1 - t0 for _, t0, t1 in spans[r]) for spans in self.steps) for r in range(pp_size)]
-        theory = (pp_size - 1) / (M + pp_size - 1) / V
-        # The theory assumes equal stages. With the measured ones: the slowest stage computes throughout and
-        # every other stage adds one micro-batch's (chunk's) share to fill and drain the pipeline, so a step
-        # takes max(S) + (sum(S) - max(S)) / (M V) (equal stages: (pp_size-1)/(M V+pp_size-1)).
-        staged = 1 - sum(busy) / (pp_size * (max(busy) + (sum(busy) - max(busy)) / (M * V)))
-        if model.rank == 0:
-            print_timeline(self.steps[-1], V)
-            print(f"bubble: measured {statistics.median(bubbles):.1%} (median of {len(bubbles)} steps, mean over ranks), "
-                  f"theory {theory:.1%} = (p-1)/(m+p-1){'/V' if V > 1 else ''} with p={pp_size}, m={M}"
-                  + (f", V={V}" if V > 1 else ""))
-            print(f"  the theory assumes equal stages; measured F+B ms per step and rank: {[round(b) for b in busy]}, "
+        p, M, V = model.pp_size, model.M, args.virtual_stages
+        ends = [max(t1 for spans in step for _, _, t1 in spans) for step in self.steps]
+        busy = [[sum(t1 - t0 for _, t0, t1 in spans) for spans in step] for step in self.steps]  # per step, rank
+        bubble = statistics.median(1 - statistics.mean(b) / end for b, end in zip(busy, ends))  # mean over ranks
+        S = [1000 * statistics.median(b[r] for b in busy) for r in range(p)]  # F+B ms per step, per rank
+        theory = (p - 1) / (M + p - 1) / V  # for equal stages. For the measured S: the slowest stage computes
+        # throughout, every other adds one micro-batch's (chunk's) share to fill and drain the pipeline.
+        staged = 1 - sum(S) / (p * (max(S) + (sum(S) - max(S)) / (M * V)))
+        if model.rank == 0:  # one row per rank; 'F3' = forward of micro-batch 3 (chunk a, b, .. when V > 1)
+            width, end = 96, ends[-1]
+            print(f"timeline of the last step ({end * 1000:.1f} ms, {width} columns):")
+            for rank, spans in enumerate(self.steps[-1]):
+                line = ["."] * width  # '.' = idle
+                for (op, mb, c), t0, t1 in spans:
+                    a = min(int(t0 / end * width), width - 1)
+                    b = max(a + 1, int(t1 / end * width))
+                    line[a:b] = (f"{op}{mb}{'abcdefghij'[c] if V > 1 else ''}" + "-" * width)[:b - a]
+                print(f"  rank {rank} |{''.join(line)}|")
+            print(f"bubble: measured {bubble:.1%} (median of {len(ends)} steps, mean over ranks), theory {theory:.1%} "
+                  f"= (p-1)/(m+p-1){'/V' if V > 1 else ''} with p={p}, m={M}{f', V={V}' if V > 1 else ''}\n"
+                  f"  the theory assumes equal stages; measured F+B ms per step and rank: {[round(s) for s in S]}, "
                   f"for which the same model of the schedule gives {staged:.1%}")
-        return dict(extra, run=dict(bubble_measured=statistics.median(bubbles), bubble_theory=theory,
-                                    bubble_for_stage_times=staged))
+        return dict(extra, run=dict(bubble_measured=bubble, bubble_theory=theory, bubble_for_stage_times=staged))
 
 
 # ---- PyTorch's own pipeline, behind the same methods ---------------------------------------
 
 class TorchPipeline(Pipeline):
-    """torch.distributed.pipelining: a PipelineStage around each of the same chunks (its own send/recv)
-    and ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B. Evaluation, the tied gradient,
-    clipping and checkpoints are Pipeline's: the chunks underneath are the same."""
+    """torch.distributed.pipelining: a PipelineStage around each of the same chunks (its own send/recv) and its
+    GPipe / 1F1B / interleaved 1F1B schedule; evaluation, tied gradient, clipping, checkpoints are Pipeline's."""
 
     def __init__(self, config, args, device, state=None):
         super().__init__(config, args, device, state)
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
         stages = [PipelineStage(chunk, c * self.pp_size + self.rank, self.n_stages, device)
                   for c, chunk in enumerate(self.chunks)]
-        scale = 1.0 / (args.grad_accum_steps * self.M)
-
-        # Its loss_fn sees one micro-batch's logits. scale_grads=False: it would divide the accumulated
-        # .grad of earlier micro-steps too; the loss is pre-scaled like ours instead.
-        def loss_fn(logits, targets):
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) * scale
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[args.schedule]
-        self.schedule = schedule(stages if args.schedule == "interleaved" else stages[0], self.M, loss_fn=loss_fn,
-                                 scale_grads=False)
+        scale = 1.0 / (args.grad_accum_steps * self.M)
+        # the loss pre-scaled like ours: its scale_grads would also divide the .grad of earlier micro-steps
+        self.schedule = schedule(stages if args.schedule == "interleaved" else stages[0], self.M, scale_grads=False,
+                                 loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1).float(), y.flatten()) * scale)
 
     def forward_backward(self, x, y, sync):
-        first, last, losses = self.rank == 0, self.rank == self.pp_size - 1, []
+        last, losses = self.rank == self.pp_size - 1, []
         with autocast(self.args, self.device):
-            self.schedule.step(*([x] if first else []), **(dict(target=y, losses=losses) if last else {}))
+            self.schedule.step(*([x] if self.rank == 0 else []), **(dict(target=y, losses=losses) if last else {}))
         if sync:
             sum_tied_gradient(self.chunks, self.rank, self.pp_size, self.tied_group)
-        # its losses are pre-scaled by 1/(A*M): their sum times A is the micro-step's mean loss
-        return torch.stack(losses).sum().detach() * self.args.grad_accum_steps if last else torch.zeros((), device=self.device)
+        if not last:
+            return torch.zeros((), device=self.device)
+        return torch.stack(losses).sum().detach() * self.args.grad_accum_steps  # losses were scaled by 1/(A*M)
 
 
 if __name__ == "__main__":

@@ -64,14 +64,14 @@ else
     run_strategies "-r$r"
   done
   # Each strategy's own claims, one run each (runs/bench-extra): FSDP's exposed communication with
-  # prefetch on and off; ZeRO-3's broadcast/reduce waits and AdamW time per rank (wte kept or not,
-  # prefetch off); TP with SP and 2D at 4 ranks; the pipeline bubble, compute per stage and
-  # activation memory per schedule and micro-batch count.
+  # prefetch on and off; ZeRO-3's broadcast/reduce waits per rank (wte kept or not, prefetch off);
+  # TP with SP and 2D at 4 ranks; the pipeline bubble, compute per stage and activation memory per
+  # schedule and micro-batch count.
   RUNS=runs/bench-extra && rm -rf "$RUNS" && mkdir -p "$RUNS"
   extra() { [ -f "$3" ] && run "$@"; }
   extra fsdp-custom-prefetch "$NPROC" fsdp_train.py $FLAGS --prefetch true
   extra fsdp-custom-noprefetch "$NPROC" fsdp_train.py $FLAGS --prefetch false
-  extra zero3-custom "$NPROC" zero3_train.py $FLAGS  # where its time goes: broadcast/reduce waits, AdamW
+  extra zero3-custom "$NPROC" zero3_train.py $FLAGS  # where its time goes: broadcast/reduce waits
   extra zero3-custom-noreuse "$NPROC" zero3_train.py $FLAGS --max_reuse_distance 0
   extra zero3-custom-noprefetch "$NPROC" zero3_train.py $FLAGS --prefetch false
   for impl in custom pytorch; do

@@ -16,8 +16,7 @@ along the sequence too, 1/tp_size of their memory: each all-reduce becomes a red
 row-parallel) and an all-gather (before column-parallel), the same bytes. The replicated parameters
 then get partial gradients, summed over the TP group after backward.
 2D: tp_size x D (--data_parallel_size) = N ranks in a D x tp_size grid (row = TP group of consecutive
-ranks, column = DP group); each DP group splits the batch as ddp_train.py does, with its buckets.
-Each rank builds only its shards, one full tensor at a time (init_tensor's or any checkpoint's).
+ranks, column = DP group); each DP group splits the batch and averages its gradients after backward.
 
 Run:
   python tp_train.py                                        # single process: the reference
@@ -31,7 +30,6 @@ Run:
 import os
 import time
 import types
-import weakref
 from contextlib import nullcontext
 
 import torch
@@ -55,32 +53,7 @@ from common.model import GPT, configure_optimizer, init_tensor
 # Each moves one activation (or its gradient) of B x T x C numbers; in a ring each rank sends about
 # 2(tp_size-1)/tp_size of its bytes for an all-reduce, (tp_size-1)/tp_size for an all-gather or reduce-scatter.
 
-class CopyToTP(torch.autograd.Function):
-    """f: identity forward; all-reduce backward (each rank's weight slice gives a partial input gradient)."""
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # B*T*C numbers: the sum of the partial input gradients
-        return grad, None
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward (the sum of the ranks' partial outputs); identity backward."""
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)  # B*T*C numbers: the sum of the tp_size partial outputs
-        return x
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _all_gather(x, group, dim):
+def all_gather(x, group, dim):
     """The ranks' x concatenated in rank order along `dim`: (B, T/tp_size, C) sequence shards -> (B, T, C)."""
     tp_size = dist.get_world_size(group)
     out = x.new_empty((tp_size * x.size(0),) + x.shape[1:])  # gloo wants the ranks stacked along dim 0
@@ -88,7 +61,7 @@ def _all_gather(x, group, dim):
     return torch.cat(out.chunk(tp_size), dim=dim)
 
 
-def _reduce_scatter_seq(x, group):
+def reduce_scatter_seq(x, group):
     """(B, T, C) partial sums on the ranks -> (B, T/tp_size, C): this rank's sequence shard of the sum."""
     chunks = torch.cat(x.chunk(dist.get_world_size(group), dim=1))  # (tp_size*B, T/tp_size, C): shard r at rows r*B..
     out = chunks.new_empty((x.size(0),) + chunks.shape[1:])
@@ -96,26 +69,36 @@ def _reduce_scatter_seq(x, group):
     return out
 
 
-class GatherFromSequence(torch.autograd.Function):
-    """SP's f: all-gather the sequence shards forward; reduce-scatter backward (sum, keep my shard)."""
+class CopyToTP(torch.autograd.Function):
+    """f, in front of a column-parallel matmul: identity forward; all-reduce backward (each rank's weight slice
+    gives a partial input gradient). With SP: all-gather the sequence shards; reduce-scatter backward."""
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, group, dim=1)
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
-
-
-class ReduceScatterToSequence(torch.autograd.Function):
-    """SP's g: reduce-scatter forward (sum and split by sequence in one step); all-gather backward."""
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return all_gather(x, tp.group, dim=1) if tp.sp else x
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, dim=1), None
+        if ctx.tp.sp:
+            return reduce_scatter_seq(grad, ctx.tp.group), None
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.tp.group)  # B*T*C numbers: the sum of the partial input gradients
+        return grad, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g, after a row-parallel matmul: all-reduce forward (the sum of the ranks' partial outputs); identity
+    backward. With SP: reduce-scatter (sum and split by sequence in one step); all-gather backward."""
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        if tp.sp:
+            return reduce_scatter_seq(x, tp.group)
+        x = x.contiguous()
+        dist.all_reduce(x, group=tp.group)  # B*T*C numbers: the sum of the tp_size partial outputs
+        return x
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.tp.group, dim=1) if ctx.tp.sp else grad, None
 
 
 class GatherFromVocab(torch.autograd.Function):
@@ -123,7 +106,7 @@ class GatherFromVocab(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, ctx.rank = group, dist.get_rank(group)
-        return _all_gather(x, group, dim=-1)  # B*T*V/tp_size numbers from each rank
+        return all_gather(x, group, dim=-1)  # B*T*V/tp_size numbers from each rank
     @staticmethod
     def backward(ctx, grad):
         return grad.chunk(dist.get_world_size(ctx.group), dim=-1)[ctx.rank], None
@@ -178,21 +161,17 @@ def shard(name, full, rank, tp_size):
     """Rank `rank`'s slice of the full tensor `name`. c_attn fuses [q; k; v] along its outputs: the
     rank takes the same heads of each, so its slice is [q_r; k_r; v_r] (3C/tp_size outputs)."""
     dim = shard_dim(name)
-    if dim is None:
-        return full
     if "c_attn" in name:
         return full.unflatten(0, (3, -1)).chunk(tp_size, dim=1)[rank].flatten(0, 1)
-    return full.chunk(tp_size, dim=dim)[rank]
+    return full if dim is None else full.chunk(tp_size, dim=dim)[rank]
 
 
 def unshard(name, shards):
     """The inverse of shard(): the full tensor from the tp_size slices, in rank order."""
     dim = shard_dim(name)
-    if dim is None:
-        return shards[0]
     if "c_attn" in name:
         return torch.cat([s.unflatten(0, (3, -1)) for s in shards], dim=1).flatten(0, 1)
-    return torch.cat(shards, dim=dim)
+    return shards[0] if dim is None else torch.cat(shards, dim=dim)
 
 
 class TP:
@@ -203,8 +182,7 @@ class TP:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_r = x W_r^T + b_r: this rank's out_features/tp_size outputs, from the whole input: f (or, with
-    SP, the all-gather of the sequence shards) in front of the matmul."""
+    """y_r = f(x) W_r^T + b_r: this rank's out_features/tp_size outputs, from the whole input."""
     def __init__(self, tp, in_features, out_features, bias):
         super().__init__()
         self.tp = tp
@@ -212,13 +190,11 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features // tp.size)) if bias else None
 
     def forward(self, x):
-        x = GatherFromSequence.apply(x, self.tp.group) if self.tp.sp else CopyToTP.apply(x, self.tp.group)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(CopyToTP.apply(x, self.tp), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum_r x_r W_r^T + b: each rank multiplies its in_features/tp_size slice, g sums (or, with SP,
-    reduce-scatters by sequence), and the replicated bias is added once, after the sum."""
+    """y = g(x_r W_r^T) + b: this rank's in_features/tp_size slice of the matmul, summed by g; the bias added once."""
     def __init__(self, tp, in_features, out_features, bias):
         super().__init__()
         self.tp = tp
@@ -226,14 +202,13 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
-        y = ReduceScatterToSequence.apply(y, self.tp.group) if self.tp.sp else ReduceFromTP.apply(y, self.tp.group)
+        y = ReduceFromTP.apply(F.linear(x, self.weight), self.tp)
         return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rank r owns vocabulary rows [r*V/tp_size, (r+1)*V/tp_size): it looks up the ids it owns, zeroes the
-    others, and the sum over ranks (g, or a reduce-scatter by sequence with SP) is the lookup."""
+    others, and the sum over ranks (g) is the lookup."""
     def __init__(self, tp, vocab_size, n_embd):
         super().__init__()
         self.tp = tp
@@ -244,7 +219,7 @@ class VocabParallelEmbedding(nn.Module):
         local = idx - self.vocab_start
         mine = (local >= 0) & (local < self.weight.size(0))
         x = F.embedding(local.clamp(0, self.weight.size(0) - 1), self.weight) * mine.unsqueeze(-1)
-        return ReduceScatterToSequence.apply(x, self.tp.group) if self.tp.sp else ReduceFromTP.apply(x, self.tp.group)
+        return ReduceFromTP.apply(x, self.tp)
 
 
 class TPAttention(nn.Module):
@@ -295,7 +270,7 @@ class TPGPT(GPT):
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
-        x = GatherFromSequence.apply(x, self.tp.group) if self.tp.sp else CopyToTP.apply(x, self.tp.group)
+        x = CopyToTP.apply(x, self.tp)
         logits = F.linear(x, self.transformer.wte.weight)  # lm_head tied to wte: (B, T, V/tp_size)
         if targets is None:
             return logits, None
@@ -306,106 +281,9 @@ class TPGPT(GPT):
         return logits, F.cross_entropy(logits.view(B * T, -1).float(), targets.view(-1))
 
 
-# ---- the strategy: DP over the grid's columns, ddp_train.py's buckets (a copy) ------------
-
-class Bucket:
-    """One flat gradient buffer; the .grad of each of its parameters is a view into it, so autograd
-    accumulates straight into the buffer and the all-reduce needs no copy in or out."""
-
-    def __init__(self, params):
-        self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        offset = 0
-        for p in params:
-            view = self.buffer[offset: offset + p.numel()].view_as(p)
-            if p.grad is not None:
-                view.copy_(p.grad)  # rebuilt mid-accumulation: keep what was accumulated
-            p.grad = view
-            offset += p.numel()
-        self.pending = len(params)  # gradients not yet accumulated in this backward
-        self.work = None            # the in-flight async all-reduce
-
-
-class GradientBuckets:
-    """Averages gradients over the ranks of `group` during backward.
-
-    Call `finish_backward()` after every backward. Set `require_sync = False` BEFORE the forward of a
-    micro-step that should only accumulate locally (gradient accumulation; DDP's no_sync): those
-    micro-steps send nothing, and the last micro-step's all-reduce carries the sum of all of them."""
-
-    def __init__(self, model, bucket_cap_mb, group=None):
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.cap, self.group, self.require_sync = int(bucket_cap_mb * 2**20), group, True
-        self.ready_order = []  # the order gradients became ready in the first backward
-        self._make_buckets(self.params[::-1])  # first guess: backward runs roughly in reverse
-        # The hook holds the buckets weakly: a parameter keeps its hooks in C++, out of sight of Python's
-        # garbage collector, so param -> hook -> buckets -> param would be a cycle never freed.
-        buckets = weakref.ref(self)
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(lambda p: buckets()._grad_ready(p))
-
-    def _make_buckets(self, order):
-        groups, current, size = [], [], 0
-        for p in order:
-            nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > self.cap:  # a tensor bigger than the cap gets a bucket of its own
-                groups.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        self.buckets = [Bucket(g) for g in groups + [current]]
-        self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.next = 0  # the next bucket to all-reduce: buckets go on the wire in index order
-
-    def _grad_ready(self, p):
-        # Runs inside backward, right after p.grad has been accumulated. A parameter used twice
-        # (the tied wte/lm_head) gets one call, with both paths already summed by autograd.
-        if self.ready_order is not None:
-            self.ready_order.append(p)
-        self.bucket_of[p].pending -= 1
-        # Every rank must issue the same all-reduces in the same order, so a full bucket waits for the
-        # ones before it (torch DDP's rule too); with buckets in ready order it rarely has to.
-        while self.require_sync and self.next < len(self.buckets) and self.buckets[self.next].pending == 0:
-            self._all_reduce(self.buckets[self.next])
-
-    def _all_reduce(self, bucket):
-        # Sends the whole bucket (numel x 4 bytes in fp32) to every other rank and receives theirs,
-        # summing and dividing by N: afterwards every rank holds the mean gradient. Async: backward
-        # keeps computing earlier layers while it is on the wire.
-        bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
-        self.next += 1
-
-    def finish_backward(self):
-        """The one wait at the end of backward (on syncing micro-steps). Parameters that got no
-        gradient (unused in forward) keep a zero gradient; their buckets are reduced here, in order,
-        which is correct as long as every rank has the same unused parameters."""
-        while self.require_sync and self.next < len(self.buckets):
-            self._all_reduce(self.buckets[self.next])
-        for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-                bucket.work = None
-            bucket.pending = len(bucket.params)
-        self.next = 0
-        if self.ready_order is not None:
-            self._rebuild()
-
-    def _rebuild(self):
-        """After the first backward: buckets in the order the gradients became ready, so each bucket
-        fills and leaves as early as it can. Rank 0's order is broadcast (8 bytes a parameter): every
-        rank must build the same buckets, whatever order its own autograd happened to use."""
-        index = {p: i for i, p in enumerate(self.params)}
-        seen = [index[p] for p in dict.fromkeys(self.ready_order)]
-        order = torch.tensor(seen + [i for i in range(len(self.params)) if i not in set(seen)],
-                             device=self.params[0].device)
-        dist.broadcast(order, group=self.group, group_src=0)
-        self.ready_order = None
-        self._make_buckets([self.params[i] for i in order.tolist()])
-
-
 class TensorParallel:
     """The strategy behind the few methods the training loop calls: TPGPT's shards on the TP group (a
-    row of the D x tp_size grid), its gradients averaged over the DP group (a column) by GradientBuckets."""
+    row of the D x tp_size grid), its gradients averaged over the DP group (a column)."""
 
     def __init__(self, config, args, device, state=None):
         rng = torch.get_rng_state()  # resume() set it; building the model may draw from it
@@ -416,7 +294,6 @@ class TensorParallel:
         self.dp_group, _ = dist.new_subgroups_by_enumeration(self.grid.t().tolist())
         tp = TP(self.tp_group, args.sequence_parallel)
         self.model = TPGPT(tp, config, args.seed, device, args.loss_parallel, state)
-        self.buckets = GradientBuckets(self.model, args.bucket_cap_mb, self.dp_group) if len(self.grid) > 1 else None
         self.seed_dropout(rng, resumed=state is not None)
 
     def seed_dropout(self, rng, resumed):
@@ -443,15 +320,15 @@ class TensorParallel:
         return torch.empty_like(p).copy_(shard(name, full, dist.get_rank(self.tp_group), self.tp_size))
 
     def forward_backward(self, x, y, sync):
-        """One micro-step; returns its loss. sync=False: accumulate only (set before the forward)."""
-        if self.buckets is not None:
-            self.buckets.require_sync = sync
+        """One micro-step; returns its loss. sync=False: accumulate only."""
         with activations.first():  # the bytes autograd saves for backward, once: SP shrinks them
             with autocast(self.args, self.device):
                 _, loss = self.model(x, y)
             (loss / self.args.grad_accum_steps).backward()  # each micro-step is 1/A of this rank's rows
-        if self.buckets is not None:
-            self.buckets.finish_backward()
+        if sync and len(self.grid) > 1:
+            # DP: the mean over the DP group of this rank's local gradients, one flat all-reduce of about
+            # 4P/tp_size bytes after backward (Megatron's default; ddp_train.py shows how to overlap it with backward)
+            all_reduce_grads([p.grad for p in self.model.parameters()], self.dp_group, op=dist.ReduceOp.AVG)
         if sync and self.model.sequence_parallel_params:  # each TP rank's from its sequence shard only: sum them
             all_reduce_grads([p.grad for p in self.model.sequence_parallel_params], self.tp_group)
         return loss.detach().float()
@@ -481,7 +358,7 @@ class TensorParallel:
 
     def full_tensor(self, name, t):
         if shard_dim(name) is not None:  # every rank sends its shard to every other (tp_size-1 shards in)
-            t = unshard(name, list(_all_gather(t, self.tp_group, dim=0).chunk(self.tp_size)))
+            t = unshard(name, list(all_gather(t, self.tp_group, dim=0).chunk(self.tp_size)))
         return t.cpu()
 
     def describe(self):
@@ -495,7 +372,6 @@ def add_tp_flags(group):
     group.add_argument("--data_parallel_size", type=int, default=None, help="D (default: world size / tp_size, else 1)")
     add_bool(group, "--sequence_parallel", False, "split LayerNorm/dropout/residual activations by sequence")
     add_bool(group, "--loss_parallel", True, "vocab-parallel cross-entropy; false: gather the logits")
-    group.add_argument("--bucket_cap_mb", type=float, default=25.0, help="DP gradient bucket size (MiB)")
 
 
 def check_tp_args(args, world_size):
@@ -516,8 +392,6 @@ def check_tp_args(args, world_size):
             f"({tp_size}) with --sequence_parallel")
     if tp_size * D != world_size or tp_size == 0:
         die(f"--tensor_parallel_size: {tp_size} x --data_parallel_size {D} must equal the world size ({world_size})")
-    if args.bucket_cap_mb <= 0:
-        die(f"--bucket_cap_mb: must be > 0, got {args.bucket_cap_mb}")
     check_batch_split(args, D)
     args.tensor_parallel_size, args.data_parallel_size = tp_size, D
     return D

@@ -1,18 +1,16 @@
 """ZeRO-3 (DeepSpeed style), written by hand: every parameter tensor is owned whole by one rank.
 
-The tensors are partitioned whole over the N ranks (FSDP instead slices every tensor): a tensor's
-owner alone keeps its fp32 value, gradient and AdamW state. The partition is greedy, largest tensor
-first onto the least-loaded rank, so no rank owns more than P/N + the largest tensor. Tensors of
-fewer than --persistence_threshold elements stay replicated on every rank as in DDP (default 0: none).
+A tensor's owner alone keeps its fp32 value, gradient and AdamW state (FSDP instead slices every tensor
+over the N ranks). Greedy partition, largest tensor first onto the least-loaded rank: no rank owns more
+than P/N + the largest tensor. Tensors under --persistence_threshold elements stay replicated, as in DDP.
   memory per rank:  16P/N bytes (owned params, grads, AdamW state) + 16 bytes per persistent element
                     + the non-owned tensors fetched at the moment (a module or two)
   forward:   before each module its tensors are broadcast from their owners (one message per owner),
              the next module's already in flight (--prefetch); after it the non-owners free them,
              unless used again soon (--max_reuse_distance: the tied wte, kept until the head).
-  backward:  fetched again before each module's backward and freed after it; each gradient goes to
-             its owner with an async reduce as soon as it is accumulated, on every micro-step (so a
-             non-owner keeps no gradient), and the owner divides the sum by N. Persistent gradients
-             accumulate locally and are all-reduced once per optimizer step.
+  backward:  fetched and freed again around each module; each gradient goes to its owner with an
+             async reduce as soon as it is accumulated, on every micro-step (a non-owner keeps no
+             gradient), and the owner divides the sum by N. Persistent gradients: one all-reduce a step.
   communication per micro-step: 2 broadcasts + 1 reduce of 4P bytes, less one broadcast of wpe (a
              lookup's backward reads no weight) and of the tied wte/lm_head (one tensor: fetched for
              the embedding and kept for the head, reduced once with both uses summed).
@@ -29,7 +27,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -45,78 +42,63 @@ from common.model import GPT, configure_optimizer, init_tensor, num_params
 # ---- the strategy: whole tensors owned by one rank, broadcast when needed, reduced to the owner ------
 
 def partition(named_shapes, world_size, persistence_threshold):
-    """{name: owner rank, or None for a persistent (replicated) tensor}, and the elements per rank.
-    Greedy (LPT): largest tensor first, each onto the rank with the fewest elements so far (lowest
-    rank on ties). Bound: when the most-loaded rank got its last tensor it was the least loaded,
-    so max(load) <= partitioned elements / N + the largest tensor."""
-    owner, load = {}, [0] * world_size
+    """{name: owner rank, or None for a persistent (replicated) tensor}, and the elements per rank. Greedy (LPT):
+    largest tensor first, each onto the rank with the fewest elements so far (lowest rank on ties). Bound: when
+    the most-loaded rank got its last tensor it was the least loaded, so max(load) <= partitioned / N + largest."""
     sizes = {name: torch.Size(shape).numel() for name, shape in named_shapes}
+    owner, load = dict.fromkeys(sizes), [0] * world_size  # None: persistent
     for name in sorted(sizes, key=lambda n: -sizes[n]):  # stable: equal sizes keep model order
-        if sizes[name] < persistence_threshold:
-            owner[name] = None
-            continue
-        rank = min(range(world_size), key=lambda r: load[r])
-        owner[name] = rank
-        load[rank] += sizes[name]
+        if sizes[name] >= persistence_threshold:
+            owner[name] = min(range(world_size), key=lambda r: load[r])
+            load[owner[name]] += sizes[name]
     return owner, load
 
 
 def materialize_owned_(model, owner, rank, value_of, device):
-    """Deferred init: give storage and a value, value_of(name, shape) (the per-name initial value, or
-    the checkpoint's), only to the tensors this rank owns (and the persistent ones). The others become
-    tensors of the right shape on 0 bytes of storage, which a broadcast fills when needed."""
-    names = {id(p): n for n, p in model.named_parameters()}  # the tied weight appears once
+    """Deferred init: storage and a value, value_of(name, shape) (the initial value, or the checkpoint's),
+    only for the tensors this rank owns and the persistent ones; the others get their shape on 0 bytes of
+    storage, which a broadcast fills when needed."""
     made = {}
-    for module in model.modules():
-        for local, p in list(module._parameters.items()):
-            if p is None:
-                continue
-            name = names[id(p)]
-            if name not in made:
-                if owner[name] in (None, rank):
-                    t = value_of(name, p.shape).to(device, copy=True)
-                else:  # allocated and at once given back: at most one tensor's bytes, once
-                    t = torch.empty(p.shape, device=device)
-                    t.untyped_storage().resize_(0)
-                made[name] = nn.Parameter(t)
-            module._parameters[local] = made[name]  # lm_head gets wte's Parameter: still tied
+    for name, p in model.named_parameters():  # the tied weight appears once
+        if owner[name] in (None, rank):
+            t = value_of(name, p.shape).to(device, copy=True)
+        else:  # allocated and at once given back: at most one tensor's bytes, once
+            t = torch.empty(p.shape, device=device)
+            t.untyped_storage().resize_(0)
+        made[p] = torch.nn.Parameter(t)
+    for name, p in model.named_parameters(remove_duplicate=False):  # lm_head gets wte's Parameter: still tied
+        module, _, local = name.rpartition(".")
+        setattr(model.get_submodule(module), local, made[p])
 
 
 class Zero3:
-    """Fetch/free of the partitioned tensors around each module, gradient reduces to the owners.
-
-    Modules ("units") in forward order: wte, wpe, h.0 .. h.{L-1}, ln_f, lm_head. All ranks issue the
-    same collectives in the same order (hooks fire in the same order everywhere), so every rank keeps
-    the same `fetched` bookkeeping, owner included. Call `finish_backward()` after every backward;
-    set `sync_persistent = False` before the micro-steps that only accumulate (all but the last)."""
+    """Fetch/free of the partitioned tensors around each module, gradient reduces to the owners. Hooks fire
+    in the same order on every rank, so all issue the same collectives and keep the same `fetched` bookkeeping.
+    Call `finish_backward()` after every backward; `sync_persistent = False` before accumulating only."""
 
     def __init__(self, model, owner, rank, world_size, prefetch=True, max_reuse_distance=0):
         self.rank, self.world_size, self.prefetch = rank, world_size, prefetch
         self.owner = {p: owner[n] for n, p in model.named_parameters()}  # parameter -> rank or None
+        self.owned = [p for p, r in self.owner.items() if r == rank]
+        self.persistent = [p for p, r in self.owner.items() if r is None]
         self.units = [model.transformer.wte, model.transformer.wpe, *model.transformer.h,
-                      model.transformer.ln_f, model.lm_head]
-        # One broadcast per (module, owner): that owner's tensors of the module are views of one flat
-        # buffer, so a block costs one message per owner, not one per tensor (far less latency).
-        self.buffers, self.unit_buffers = [], []  # [(flat buffer, owner)]; per module: indices into it
-        for unit in self.units:
-            owners = sorted({self.owner[p] for p in unit.parameters()} - {None})
-            self.unit_buffers.append([self._buffer([p for p in unit.parameters() if self.owner[p] == r], r)
-                                      for r in owners])
-        # DeepSpeed's stage3_max_reuse_distance: after a module's forward, a buffer that a later module
-        # uses again within this many fetched elements stays (the tied wte, from the embedding to the
-        # head: 1 broadcast per micro-step instead of 2, for holding 4 x 50304 x C bytes meanwhile).
-        sizes = [sum(self.buffers[b][0].numel() for b in bs) for bs in self.unit_buffers]
-        self.keep = [set() for _ in self.units]  # per module: the buffers its forward does not free
-        for i, j in ((i, j) for i in range(len(self.units)) for j in range(i + 1, len(self.units))):
-            if sum(sizes[i + 1:j]) <= max_reuse_distance:
-                self.keep[i] |= set(self.unit_buffers[i]) & set(self.unit_buffers[j])
+                      model.transformer.ln_f, model.lm_head]  # the modules, in forward order
+        # One broadcast per (module, owner), not per tensor: that owner's tensors of a module are views of one buffer.
+        self.buffer_owner = {}  # flat buffer -> owner rank; unit_buffers: per module, its flat buffers
+        self.unit_buffers = [[self._buffer([p for p in unit.parameters() if self.owner[p] == r], r)
+                              for r in sorted({self.owner[p] for p in unit.parameters()} - {None})]
+                             for unit in self.units]
+        # DeepSpeed's stage3_max_reuse_distance: module i's forward keeps (keep[i]) the buffers a later module uses
+        # again within this many fetched elements (the tied wte: 1 broadcast a micro-step, not 2; 4 x V x C bytes held).
+        sizes = [sum(flat.numel() for flat in bs) for bs in self.unit_buffers]
+        self.keep = [{b for j in range(i + 1, len(sizes)) if sum(sizes[i + 1:j]) <= max_reuse_distance
+                      for b in set(self.unit_buffers[i]) & set(self.unit_buffers[j])} for i in range(len(sizes))]
         # an embedding lookup's backward reads no weight: only the others are fetched again for backward
-        self.forward_order = list(range(len(self.units)))
-        self.backward_order = [i for i in reversed(self.forward_order) if not isinstance(self.units[i], nn.Embedding)]
-        self.fetched = {}  # buffer index -> in-flight broadcast work, or None once it has arrived
+        self.backward_order = [i for i, u in enumerate(self.units) if not isinstance(u, torch.nn.Embedding)][::-1]
+        self.fetched = {}  # flat buffer -> in-flight broadcast work, or None once it has arrived
         self.reduces, self.sync_persistent = [], True  # reduces: (parameter, in-flight reduce/all-reduce)
         for i, unit in enumerate(self.units):
-            unit.register_forward_pre_hook(lambda m, inputs, i=i: self._before(i, self.forward_order))
+            unit.register_forward_pre_hook(lambda m, inputs, i=i: self._before(i, range(len(self.units))))
             unit.register_forward_hook(lambda m, inputs, out, i=i: self._after_forward(i))
             if i in self.backward_order:
                 unit.register_full_backward_pre_hook(lambda m, grad_out, i=i: self._before(i, self.backward_order))
@@ -125,59 +107,44 @@ class Zero3:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _buffer(self, params, owner):
-        """Index of the flat buffer holding `params` (owned by `owner`); the parameters become views of it."""
-        for b, (flat, _) in enumerate(self.buffers):
-            if flat is params[0]:  # the tied wte: one buffer for both its modules
-                return b
-        if len(params) == 1:
-            flat = params[0]  # a lone tensor is its own buffer
-        else:
+        """The flat buffer holding `params`, owned by `owner`: a lone tensor is its own (the tied wte: one buffer
+        for both its modules); several become views of one."""
+        flat = params[0]
+        if len(params) > 1:
             flat = (torch.cat([p.detach().flatten() for p in params]) if owner == self.rank
                     else torch.empty(sum(p.numel() for p in params), device=params[0].device))
-            offset = 0
-            for p in params:
-                p.data = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
+            for p, view in zip(params, flat.split([p.numel() for p in params])):
+                p.data = view.view_as(p)
             if owner != self.rank:
                 flat.untyped_storage().resize_(0)
-        self.buffers.append((flat, owner))
-        return len(self.buffers) - 1
+        self.buffer_owner[flat] = owner
+        return flat
 
     def _fetch(self, i):
-        for b in self.unit_buffers[i]:
-            if b in self.fetched:  # already here or on its way (prefetched)
-                continue
-            flat, owner = self.buffers[b]
-            if owner != self.rank:
+        for flat in (b for b in self.unit_buffers[i] if b not in self.fetched):  # not here nor on its way
+            if self.buffer_owner[flat] != self.rank:
                 flat.untyped_storage().resize_(flat.numel() * flat.element_size())  # the buffer
-            # The owner sends its tensors (numel x 4 bytes in fp32) to every other rank; after the wait
-            # all ranks hold the owner's exact values. Async, so it overlaps the running module.
-            # .data: the broadcast writes in place without bumping the parameters' autograd version
-            # counters, which the tensors saved for backward check.
-            self.fetched[b] = dist.broadcast(flat.data, src=owner, async_op=True)
-
-    def _wait(self, i):
-        with timers("broadcast_wait"):  # exposed communication: what the overlap did not hide
-            for b in self.unit_buffers[i]:
-                if self.fetched[b] is not None:
-                    self.fetched[b].wait()
-                    self.fetched[b] = None
+            # The owner sends its tensors (numel x 4 bytes) to every other rank, async: it overlaps the running
+            # module. .data: writing in place must not bump the autograd version counters saved tensors check.
+            self.fetched[flat] = dist.broadcast(flat.data, src=self.buffer_owner[flat], async_op=True)
 
     def _free(self, i, keep=()):
-        for b in (b for b in self.unit_buffers[i] if b not in keep):
-            if self.fetched.pop(b, None) is not None:
+        for flat in (b for b in self.unit_buffers[i] if b not in keep):
+            if self.fetched.pop(flat, None) is not None:
                 raise RuntimeError("freeing a tensor whose broadcast is still in flight")
-            flat, owner = self.buffers[b]
-            if owner != self.rank:
+            if self.buffer_owner[flat] != self.rank:
                 flat.untyped_storage().resize_(0)  # shapes kept; the bytes go back to the allocator
 
     def _before(self, i, order):
         """Before module i's forward (or backward): its tensors here, the next module's on the way."""
         self._fetch(i)
-        k = order.index(i)
-        if self.prefetch and k + 1 < len(order):
-            self._fetch(order[k + 1])  # the next module's broadcasts run while this module computes
-        self._wait(i)
+        if self.prefetch and i != order[-1]:
+            self._fetch(order[order.index(i) + 1])  # the next module's broadcasts run while this one computes
+        with timers("broadcast_wait"):  # exposed communication: what the overlap did not hide
+            for b in self.unit_buffers[i]:
+                if self.fetched[b] is not None:
+                    self.fetched[b].wait()
+                    self.fetched[b] = None
 
     def _after_forward(self, i):
         # The head's backward comes right after the loss: keep its buffer (the tied wte) until then.
@@ -185,17 +152,13 @@ class Zero3:
             self._free(i, self.keep[i])
 
     def _grad_ready(self, p):
-        # Runs inside backward once p.grad holds this micro-step's full gradient (for the tied
-        # wte/lm_head: once, with the embedding's and the head's contributions already summed).
-        owner = self.owner[p]
-        if owner is None:
-            if self.sync_persistent:  # replicated tensor: sum every rank's gradient on every rank
-                self.reduces.append((p, dist.all_reduce(p.grad, async_op=True)))
-        else:
-            # Every rank sends its p.grad (numel x 4 bytes) towards the owner, which receives the sum.
-            # The owner's p.grad also holds the earlier micro-steps' reduced sums, so the sum is the
-            # accumulated gradient; non-owners start every micro-step from None.
-            self.reduces.append((p, dist.reduce(p.grad, dst=owner, async_op=True)))
+        # Runs in backward once p.grad holds this micro-step's full gradient (the tied wte/lm_head: once, both
+        # uses summed). Every rank sends its p.grad (numel x 4 bytes) to the owner, which receives the sum; as its
+        # p.grad holds the earlier micro-steps' sums too, that is the accumulated gradient (non-owners start at None).
+        if self.owner[p] is not None:
+            self.reduces.append((p, dist.reduce(p.grad, dst=self.owner[p], async_op=True)))
+        elif self.sync_persistent:  # replicated tensor: sum every rank's gradient on every rank
+            self.reduces.append((p, dist.all_reduce(p.grad, async_op=True)))
         self._release_reduced(wait=False)
 
     def _release_reduced(self, wait):
@@ -203,11 +166,10 @@ class Zero3:
         for p, work in self.reduces:
             if wait:
                 work.wait()
-            if wait or work.is_completed():
-                if self.owner[p] not in (None, self.rank):
-                    p.grad = None  # sent: a non-owner keeps no gradient
-            else:
+            if not (wait or work.is_completed()):
                 pending.append((p, work))
+            elif self.owner[p] not in (None, self.rank):
+                p.grad = None  # sent: a non-owner keeps no gradient
         self.reduces = pending
 
     def finish_backward(self):
@@ -216,38 +178,27 @@ class Zero3:
             self._release_reduced(wait=True)
         assert not self.fetched, "a fetched tensor was not freed"
 
-    def owned(self):
-        return [p for p, r in self.owner.items() if r == self.rank]
-
-    def persistent(self):
-        return [p for p, r in self.owner.items() if r is None]
-
 
 @torch.no_grad()
 def gather_full_state(model, optimizer, zero3):
-    """The full checkpoint's model and optimizer dicts on rank 0 (None elsewhere): each owner sends
-    its parameter, exp_avg, exp_avg_sq and step packed in one tensor to rank 0 (4 x (3 numel + 1)
-    bytes); persistent tensors are already on rank 0. Rank 0 holds the whole model meanwhile."""
+    """The full checkpoint's model and optimizer dicts on rank 0 (None elsewhere), which holds the whole model
+    meanwhile: each owner sends it its param, exp_avg, exp_avg_sq and step in one tensor (4 x (3 numel + 1) bytes)."""
     rank, params, optim = dist.get_rank(), {}, {}
     for name, p in model.named_parameters():
-        owner = 0 if zero3.owner[p] is None else zero3.owner[p]
-        if rank not in (0, owner):
-            continue
-        n = p.numel()
+        owner, n = zero3.owner[p] or 0, p.numel()  # a persistent tensor: rank 0's copy
         if rank == owner:
             s = optimizer.state[p]
-            packed = torch.cat([p.flatten(), s["exp_avg"].flatten(), s["exp_avg_sq"].flatten(), s["step"].view(1).to(p)])
-        else:
+            packed = torch.cat([t.flatten().to(p) for t in (p, s["exp_avg"], s["exp_avg_sq"], s["step"])])
+        elif rank == 0:
             packed = torch.empty(3 * n + 1, device=p.device)
-        if owner != 0:
+        if owner != 0 and rank in (0, owner):
             dist.send(packed, dst=0) if rank == owner else dist.recv(packed, src=owner)
         if rank == 0:
-            params[id(p)] = packed[:n].view_as(p).clone()
-            optim[name] = {"step": packed[3 * n].cpu().clone(), "exp_avg": packed[n:2 * n].view_as(p).clone(),
-                           "exp_avg_sq": packed[2 * n:3 * n].view_as(p).clone()}
+            params[p], exp_avg, exp_avg_sq = (t.view_as(p).clone() for t in packed[:3 * n].chunk(3))
+            optim[name] = {"step": packed[3 * n].cpu().clone(), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if rank != 0:
         return None, None
-    return {k: params[id(v)] for k, v in model.state_dict(keep_vars=True).items()}, optim  # both tied keys
+    return {k: params[v] for k, v in model.state_dict(keep_vars=True).items()}, optim  # both tied keys
 
 
 class ZeRO3:
@@ -258,27 +209,28 @@ class ZeRO3:
     def __init__(self, config, args, device, state=None):
         self.args, self.device, self.rank, self.world_size = args, device, dist.get_rank(), dist.get_world_size()
         self.model = GPT(config, device="meta")  # shapes only; each rank then materialises what it keeps
-        self.owner, self.load = partition([(n, p.shape) for n, p in self.model.named_parameters()],
-                                          self.world_size, args.persistence_threshold)
+        owner, load = partition([(n, p.shape) for n, p in self.model.named_parameters()], self.world_size,
+                                args.persistence_threshold)
         # From a full checkpoint (any script, any world size) each rank takes only what it keeps here.
-        value_of = ((lambda name, shape: state[name]) if state is not None else
-                    (lambda name, shape: init_tensor(name, shape, config, args.seed)))
-        materialize_owned_(self.model, self.owner, self.rank, value_of, device)
-        self.zero3 = Zero3(self.model, self.owner, self.rank, self.world_size, args.prefetch, args.max_reuse_distance)
-        if self.rank == 0:
-            self.print_partition()
-
-    def kept(self):
-        """(name, parameter) of what this rank updates: the owned and the persistent tensors."""
-        return [(n, p) for n, p in self.model.named_parameters() if self.owner[n] in (None, self.rank)]
+        materialize_owned_(self.model, owner, self.rank, lambda name, shape: state[name] if state is not None
+                           else init_tensor(name, shape, config, args.seed), device)
+        self.zero3 = Zero3(self.model, owner, self.rank, self.world_size, args.prefetch, args.max_reuse_distance)
+        self.kept = [(n, p) for n, p in self.model.named_parameters() if owner[n] in (None, self.rank)]
+        if self.rank == 0:  # the partition banner
+            owners, persistent = list(owner.values()), 4 * sum(p.numel() for p in self.zero3.persistent)
+            print(f"partition: {owners.count(None)} persistent tensors of {persistent:,} bytes on every rank; owned:")
+            for r, n in enumerate(load):
+                print(f"  rank {r}: {owners.count(r):3d} tensors, {n * 4:>12,} bytes ({n / max(1, sum(load)):.1%})")
+            if 0 in map(owners.count, range(self.world_size)):
+                print(f"warning: some of the {self.world_size} ranks own no tensor (fewer partitioned tensors than "
+                      "ranks, or one tensor dominates); they only receive broadcasts", flush=True)
 
     def local(self, full, p):
-        """This rank's part of a full tensor, laid out like p: all of it (a copy), p being kept whole."""
-        return full.to(self.device, copy=True)
+        return full.to(self.device, copy=True)  # this rank's part of a full tensor, laid out like p: all of it
 
     def configure_optimizer(self, args, state=None):
-        optimizer = configure_optimizer(self.kept(), args.weight_decay, args.learning_rate, (args.beta1, args.beta2))
-        for name, p in self.kept() if state else ():
+        optimizer = configure_optimizer(self.kept, args.weight_decay, args.learning_rate, (args.beta1, args.beta2))
+        for name, p in self.kept if state else ():
             set_adamw_state(optimizer, p, state[name], lambda t: self.local(t, p))
         return optimizer
 
@@ -290,7 +242,7 @@ class ZeRO3:
         (loss / self.args.grad_accum_steps).backward()  # each micro-step is 1/A of this rank's rows
         self.zero3.finish_backward()
         if sync:  # the gradients are complete: the reduces summed them over the ranks, the owner averages
-            for p in self.zero3.owned() + self.zero3.persistent():
+            for p in self.zero3.owned + self.zero3.persistent:
                 p.grad.div_(self.world_size)
         return loss.detach().float()
 
@@ -304,7 +256,7 @@ class ZeRO3:
 
     def clip_grad_norm_(self, max_norm):
         # Every gradient element is on exactly one rank (owned) or on all of them, equal (persistent).
-        return clip_grad_norm_([p.grad for p in self.zero3.owned()], [p.grad for p in self.zero3.persistent()], max_norm)
+        return clip_grad_norm_([p.grad for p in self.zero3.owned], [p.grad for p in self.zero3.persistent], max_norm)
 
     def full_state(self, optimizer):
         return gather_full_state(self.model, optimizer, self.zero3)
@@ -312,22 +264,13 @@ class ZeRO3:
     def describe(self):
         return f"{num_params(self.model) / 1e6:.2f}M params, whole tensors owned by one of {self.world_size} rank(s)"
 
-    def print_partition(self):
-        owners, persistent = list(self.owner.values()), sum(p.numel() for p in self.zero3.persistent())
-        print(f"partition: {owners.count(None)} persistent tensors of {persistent * 4:,} bytes on every rank; owned:")
-        for r, load in enumerate(self.load):
-            print(f"  rank {r}: {owners.count(r):3d} tensors, {load * 4:>12,} bytes ({load / max(1, sum(self.load)):.1%})")
-        if any(owners.count(r) == 0 for r in range(self.world_size)):
-            print(f"warning: some of the {self.world_size} ranks own no tensor (fewer partitioned tensors than ranks, "
-                  f"or one tensor dominates); they only receive broadcasts", flush=True)
-
 
 def add_zero3_flags(group):
-    group.add_argument("--persistence_threshold", type=int, default=0,  # measured: see README
+    group.add_argument("--persistence_threshold", type=int, default=0,
                        help="tensors with fewer elements stay replicated on every rank (0: partition all)")
     add_bool(group, "--prefetch", True, "broadcast the next module's tensors while the current one computes")
     group.add_argument("--max_reuse_distance", type=int, default=10**9,  # DeepSpeed's default
-                       help="keep a fetched tensor whose next use comes within this many fetched elements (0: always free)")
+                       help="keep a fetched tensor used again within this many fetched elements (0: always free)")
 
 
 def check_zero3_args(args, world_size):
@@ -412,9 +355,8 @@ def main(argv=None):
 # ---- PyTorch's own ZeRO-3, FSDP2, behind the same methods ----------------------------------
 
 class TorchZeRO3(ZeRO3):
-    """FSDP2 (torch.distributed.fsdp.fully_shard) on every block and on the root: every tensor a
-    Shard(0) DTensor (N slices, not whole tensors), all-gathered before each group's forward and
-    backward, its gradient reduce-scattered (averaged) on every micro-step."""
+    """FSDP2 (fully_shard) on every block and on the root: every tensor a Shard(0) DTensor (N slices),
+    all-gathered before each group's forward and backward, gradients reduce-scattered (averaged) every micro-step."""
 
     def __init__(self, config, args, device, state=None):
         self.args, self.device = args, device
@@ -424,12 +366,11 @@ class TorchZeRO3(ZeRO3):
             fully_shard(block, mesh=self.mesh)
         fully_shard(self.model, mesh=self.mesh)
         self.model.to_empty(device=device)  # allocates only this rank's shards
+        self.kept = list(self.model.named_parameters())
         with torch.no_grad():
-            for name, p in self.model.named_parameters():  # each rank cuts its shard from the full tensor
-                p.copy_(self.local(state[name] if state is not None else init_tensor(name, p.shape, config, args.seed), p))
-
-    def kept(self):
-        return list(self.model.named_parameters())
+            for name, p in self.kept:  # each rank cuts its shard from the full tensor
+                full = state[name] if state is not None else init_tensor(name, p.shape, config, args.seed)
+                p.copy_(self.local(full, p))
 
     def local(self, full, p):
         """Every rank has the full tensor: src_data_rank=None cuts this rank's shard, sending nothing."""
@@ -445,8 +386,7 @@ class TorchZeRO3(ZeRO3):
         return clip_grad_norm_([p.grad.to_local() for p in self.model.parameters()], [], max_norm)
 
     def full_state(self, optimizer):
-        """full_tensor() all-gathers each DTensor on every rank."""
-        full = lambda v: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
+        full = lambda v: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()  # all-gathers a DTensor
         return ({k: full(v) for k, v in self.model.state_dict().items()},
                 {n: {k: full(v) for k, v in optimizer.state[p].items()} for n, p in self.model.named_parameters()})
 

@@ -122,7 +122,7 @@ def _model_equals_reference(rank, world_size):
 
 def _strategy(sp):
     """tp_train's TensorParallel on the 2 ranks (TP=2, D=1), as main() builds it."""
-    args = SimpleNamespace(tensor_parallel_size=2, sequence_parallel=sp, loss_parallel=True, seed=0, bucket_cap_mb=25.0,
+    args = SimpleNamespace(tensor_parallel_size=2, sequence_parallel=sp, loss_parallel=True, seed=0,
                            grad_accum_steps=1, dtype="float32")
     return TensorParallel(CONFIG, args, torch.device("cpu"))
 

@@ -43,7 +43,7 @@ def _backward(model, zero3, x, y, accum, world_size):
         _, loss = model(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro])
         (loss / accum).backward()
         zero3.finish_backward()
-    for p in zero3.owned() + zero3.persistent():
+    for p in zero3.owned + zero3.persistent:
         p.grad.div_(world_size)
 
 
@@ -108,11 +108,11 @@ def _gradients_vs_one_process(rank, world_size, threshold, prefetch, accum, reus
     reference(xa, ya)[1].backward()
     ref = dict(reference.named_parameters())
     names = {p: n for n, p in model.named_parameters()}
-    weights = max((p - ref[names[p]]).abs().max().item() for p in zero3.owned() + zero3.persistent())
-    grads = max((p.grad - ref[names[p]].grad).abs().max().item() for p in zero3.owned() + zero3.persistent())
+    weights = max((p - ref[names[p]]).abs().max().item() for p in zero3.owned + zero3.persistent)
+    grads = max((p.grad - ref[names[p]].grad).abs().max().item() for p in zero3.owned + zero3.persistent)
     others = [p for p in names if zero3.owner[p] not in (None, rank)]
     leftovers = held_bytes(others) + sum(p.grad is not None for p in others)
-    return weights, grads, leftovers, len(zero3.owned())
+    return weights, grads, leftovers, len(zero3.owned)
 
 
 GRADIENT_CASES = [(0, True, 1, 0), (SMALL_TENSORS, False, 2, KEEP), (SMALL_TENSORS, True, 4, 0),
@@ -165,7 +165,7 @@ def _memory_ledger(rank, world_size, threshold, reuse):
     freed = [held_bytes([p]) for p in nonowned] + [p.untyped_storage().nbytes() for p in nonowned]
     counts_held_only = state == everything and not any(freed) and all(p.numel() > 0 for p in nonowned)
     partitioned = sum(p.numel() for p in params if zero3.owner[p] is not None)
-    persistent = sum(p.numel() for p in zero3.persistent())
+    persistent = sum(p.numel() for p in zero3.persistent)
     return (held_at, expected_at, after_backward, state, partitioned, persistent, sum(p.numel() * 4 for p in nonowned),
             counts_held_only)
 
