@@ -127,13 +127,13 @@ def clip_grad_norm_(sharded, replicated, max_norm, group=None):
     gradients every rank of the group holds equal, counted once. Every gradient is then scaled by
     min(1, max_norm / (norm + 1e-6)), the same factor on every rank; max_norm 0 only measures."""
     grads = (sharded or []) + replicated
-    squares = [(g.float() * g.float()).sum() for g in grads]
     device = grads[0].device if grads else torch.device(
         "cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    local = torch.stack(squares[:len(sharded or [])]).sum() if sharded else torch.zeros((), device=device)
+    sharded_sq = [(g.float() * g.float()).sum() for g in sharded or []]
+    local = torch.stack(sharded_sq).sum() if sharded_sq else torch.zeros((), device=device)
     if sharded is not None:
         dist.all_reduce(local, group=group)
-    norm = (local + sum(squares[len(sharded or []):], torch.zeros((), device=device))).sqrt()
+    norm = (local + sum(((g.float() * g.float()).sum() for g in replicated), torch.zeros((), device=device))).sqrt()
     if max_norm > 0:
         clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in grads:

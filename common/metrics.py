@@ -50,7 +50,7 @@ class Timers:
     hide: a strategy writes `with timers("exposed_comm"): work.wait()`; Metrics.step() closes the
     step and the summary reports each name's median ms per step, per rank. `spans` (when kept)
     holds (label or name, start, end) of every span of the step (last_spans: of the last finished
-step), seconds from the step's start, for a timeline."""
+    step), seconds from the step's start, for a timeline."""
 
     def __init__(self):
         self.seconds, self.spans, self.last_spans, self.keep_spans, self.steps, self.t0 = {}, [], [], False, {}, 0.0
