@@ -51,9 +51,9 @@ def prepare(dataset="shakespeare", data_file=None):
             os.makedirs(out, exist_ok=True)
             with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as r:
                 text = r.read()
-            with open(text_path + ".tmp", "wb") as f:
+            with open(f"{text_path}.tmp.{os.getpid()}", "wb") as f:
                 f.write(text)
-            os.replace(text_path + ".tmp", text_path)
+            os.replace(f"{text_path}.tmp.{os.getpid()}", text_path)
         except OSError as e:
             return (f"--dataset shakespeare: cannot download {SHAKESPEARE_URL} ({e}); "
                     f"offline, put Tiny Shakespeare's input.txt at {text_path}")
@@ -69,11 +69,12 @@ def prepare(dataset="shakespeare", data_file=None):
     os.makedirs(out, exist_ok=True)
     for split, chunk in (("train", text[: int(n * 0.9)]), ("val", text[int(n * 0.9):])):
         ids = np.array(enc.encode_ordinary(chunk), dtype=np.uint16)
-        ids.tofile(os.path.join(out, f"{split}.bin.tmp"))
-        os.replace(os.path.join(out, f"{split}.bin.tmp"), os.path.join(out, f"{split}.bin"))
-    with open(meta_path + ".tmp", "w") as f:
+        tmp = os.path.join(out, f"{split}.bin.tmp.{os.getpid()}")  # per process: nodes may share this folder
+        ids.tofile(tmp)
+        os.replace(tmp, os.path.join(out, f"{split}.bin"))
+    with open(f"{meta_path}.tmp.{os.getpid()}", "w") as f:  # meta.json last: it says the .bin files are complete
         json.dump({"source": os.path.abspath(text_path), "sha256": _sha256(text_path)}, f)
-    os.replace(meta_path + ".tmp", meta_path)
+    os.replace(f"{meta_path}.tmp.{os.getpid()}", meta_path)
     return None
 
 

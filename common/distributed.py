@@ -7,6 +7,7 @@ and `python <script>.py` is the single-process reference.
 import functools
 import gc
 import os
+import socket
 import sys
 from datetime import timedelta
 
@@ -35,6 +36,10 @@ def setup(args):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if use_cuda and local_world > torch.cuda.device_count():  # one GPU per local rank, or none
+        die(f"--device: {args.device} needs one GPU per local rank: {local_world} local ranks, "
+            f"{torch.cuda.device_count()} GPU(s) on this node; run at most {torch.cuda.device_count()} "
+            f"per node (--nproc_per_node), or pass --device cpu")
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -106,18 +111,31 @@ def backend_threads():
     return [n for n in names if n.startswith(("pt_gloo", "gloo", "pt_nccl"))]
 
 
+# How long the other ranks wait for their node's tokenising: not --timeout_s, which bounds a step's
+# collectives (seconds to minutes), while tokenising a large --data_file can take much longer.
+PREPARE_TIMEOUT = timedelta(hours=2)
+
+
 def setup_data(args):
-    """Rank 0 prepares data/<dataset>/ (tokenising the text on first use) while the others wait in
-    a broadcast of its verdict; then every rank either goes on or exits with rank 0's error."""
-    verdict = [None]
-    if dist.get_rank() == 0:
+    """Local rank 0 of every node prepares that node's data/<dataset>/ (tokenising the text on first
+    use: a node with its own checkout has nothing yet) while the node's other ranks wait. Then every
+    rank learns every node's verdict (an all-gather of a short string, on a gloo group of its own whose
+    timeout is PREPARE_TIMEOUT) and either goes on or exits with the first error."""
+    verdict = None
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         try:
-            verdict[0] = data.prepare(args.dataset, args.data_file) or data.check_block_size(args.block_size, args.dataset)
+            verdict = data.prepare(args.dataset, args.data_file) or data.check_block_size(args.block_size, args.dataset)
         except Exception as e:  # turn anything unexpected into one line instead of a hang
-            verdict[0] = f"--dataset {args.dataset}: preparing the data failed: {type(e).__name__}: {e}"
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        die(verdict[0])
+            verdict = f"--dataset {args.dataset}: preparing the data failed: {type(e).__name__}: {e}"
+        if verdict is not None and dist.get_world_size() > int(os.environ.get("LOCAL_WORLD_SIZE", 1)):
+            verdict += f" (on node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
+    group = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT)
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, verdict, group=group)
+    dist.destroy_process_group(group)
+    error = next((v for v in verdicts if v is not None), None)
+    if error is not None:
+        die(error)
 
 
 def clip_grad_norm_(sharded, replicated, max_norm, group=None):

@@ -137,8 +137,15 @@ class Metrics:
             with open(path) as f:
                 kept = [line for line in f if line.strip() and not json.loads(line).get("summary")
                         and json.loads(line).get("step", 0) < start_step]
-        self.file = open(path, "w")
-        self.file.writelines(kept)
+        # The kept lines go to a new file that replaces the old one by a rename, as the checkpoint does:
+        # a crash here leaves the old file whole, never a truncated one.
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self.file = open(path, "a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(out_dir)

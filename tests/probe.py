@@ -4,12 +4,17 @@ is what it claims and not single-process training in disguise (tests/test_ddp.py
     PROBE_OUT=<dir> python tests/probe.py <script> <flags...>      (or as a torchrun/launch() worker)
 
 A global forward pre-hook on every common.model.GPT (and subclass) records, per rank, the row count of
-each training forward's input and, at the first one, the local shape of each of the model's
-parameters (a DTensor's local shard). At exit it writes <dir>/rank<RANK>.json:
-    {"rank", "world_size", "train_rows": [rows per training forward], "eval_rows": [...],
-     "params": {name: local shape}}
+each training forward's input and the input itself, a digest of the model's parameters (this rank's local part, bytes as
+they are) at each training forward, and, at the first one, the local shape of each parameter (a
+DTensor's local shard). The torch.distributed collectives are wrapped to count calls by dtype. At
+exit it writes <dir>/rank<RANK>.json:
+    {"rank", "world_size", "train_rows": [rows per training forward], "eval_rows": [...], "train_x": [token ids],
+     "digests": [sha256 per training forward], "params": {name: local shape},
+     "collectives": {"all_reduce:torch.float32": calls, ...}}
 """
 import atexit
+import collections
+import hashlib
 import json
 import os
 import runpy
@@ -23,19 +28,38 @@ import torch  # noqa: E402
 from common.model import GPT  # noqa: E402
 
 record = dict(rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
-              train_rows=[], eval_rows=[], params=None)
+              train_rows=[], eval_rows=[], train_x=[], digests=[], params=None, collectives=collections.Counter())
 
 
-def local_shape(p):
-    return list(p.to_local().shape if hasattr(p, "to_local") else p.shape)
+def local(p):
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def digest(module):
+    h = hashlib.sha256()
+    for p in map(local, module.parameters()):
+        if p.is_meta or p.untyped_storage().nbytes() < p.numel() * p.element_size():
+            continue  # not held by this rank now (ZeRO-3 frees what it does not own)
+        h.update(p.detach().clone().view(-1).view(torch.uint8).cpu().numpy().tobytes())  # a copy: numpy pins storage
+    return h.hexdigest()
 
 
 def hook(module, inputs):
     if not isinstance(module, GPT):
         return
     (record["train_rows"] if module.training else record["eval_rows"]).append(inputs[0].shape[0])
+    if module.training:
+        record["digests"].append(digest(module))
+        record["train_x"].append(inputs[0].tolist())
     if module.training and record["params"] is None:
-        record["params"] = {n: local_shape(p) for n, p in module.named_parameters()}
+        record["params"] = {n: list(local(p).shape) for n, p in module.named_parameters()}
+
+
+def counted(name, collective):
+    def call(tensor, *args, **kwargs):  # the dtype of the first tensor (the output, for a gather)
+        record["collectives"][f"{name}:{tensor.dtype}"] += 1
+        return collective(tensor, *args, **kwargs)
+    return call
 
 
 def write():
@@ -45,6 +69,10 @@ def write():
 
 
 torch.nn.modules.module.register_module_forward_pre_hook(hook)
+# Not isend/irecv: P2POp accepts only torch's own functions.
+for name in ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+             "reduce_scatter_single", "broadcast", "reduce", "send", "recv", "all_to_all_single"):
+    setattr(torch.distributed, name, counted(name, getattr(torch.distributed, name)))
 atexit.register(write)
 script = sys.argv[1]
 sys.argv = sys.argv[1:]

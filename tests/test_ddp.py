@@ -1,5 +1,6 @@
 """ddp_train.py: buckets, overlap bookkeeping, no_sync, equality with torch DDP, the single-process contract.
 (Bad input for every script: tests/test_reliability.py.)"""
+import json
 from contextlib import nullcontext
 
 import pytest
@@ -223,11 +224,34 @@ def test_single_process_run_writes_the_contract(tmp_path):
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evals] == [0, 2, 3] and all("loss" not in r and "train_loss" in r for r in evals)
     summary = records[-1]
-    assert summary["summary"] is True and summary["model_state_bytes"] > 0 and summary["peak_mem_bytes"] > 0
-    assert summary["tokens_per_sec"] > 0
+    params = list(GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, bias=True), device="meta").parameters())
+    # params + grads + AdamW exp_avg and exp_avg_sq (4 bytes each per element) + AdamW's fp32 step per tensor
+    assert summary["model_state_bytes"] == 16 * sum(p.numel() for p in params) + 4 * len(params)
+    assert summary["summary"] is True and summary["peak_mem_bytes"] > 0 and summary["tokens_per_sec"] > 0
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     assert ckpt["step"] == 3 and "transformer.wte.weight" in ckpt["optimizer"]
     model = GPT(GPTConfig(**ckpt["config"]), device="meta")
     model.load_state_dict(ckpt["model"], assign=True)
     model.tie_weights()
+    # The checkpoint is the model evaluated after the last step: its loss on the eval batch is the logged one.
+    x, y = get_batch("val", 0, 8, 32, 1337 + 1)
+    with torch.no_grad():
+        assert model.eval()(x, y)[1].item() == pytest.approx(evals[-1]["val_loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("implementation", ["custom", "pytorch"])
+def test_each_rank_trains_its_own_rows_on_a_bit_identical_replica(implementation, tmp_path, monkeypatch):
+    """The real main() at 2 ranks, 2 micro-steps (tests/probe.py): the micro-steps of rank r are rows
+    [r B/N, (r+1) B/N) of the global batch, B / N / A rows each, and before every forward the two
+    replicas are bit-identical."""
+    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "probe"))
+    result = launch("tests/probe.py", 2, ["ddp_train.py", *TINY, "--max_iters", "3", "--grad_accum_steps", "2",
+                                          "--implementation", implementation, "--out_dir", str(tmp_path)], torchrun=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / "probe" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["train_rows"] for r in ranks] == [[8 // 2 // 2] * 3 * 2] * 2
+    for step in range(3):
+        x, _ = get_batch("train", step, 8, 32, 1337)
+        assert sum((r["train_x"][2 * step] + r["train_x"][2 * step + 1] for r in ranks), []) == x.tolist()
+    assert ranks[0]["digests"] == ranks[1]["digests"] and len(set(ranks[0]["digests"])) == 3  # changed by each step

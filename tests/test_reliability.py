@@ -11,6 +11,7 @@
 - a sweep of bad flags over every script: non-zero exit, one error line, under 30 s.
 """
 import glob
+import json
 import os
 import shutil
 import signal
@@ -201,26 +202,56 @@ def test_a_hung_peer_is_bounded_by_timeout_s(tmp_path):
             _kill_all(p)
 
 
-def test_two_nodes_on_loopback_equal_one_node(shared_run, tmp_path):
-    port = free_port()
-    nodes = []
-    for node_rank in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nanodist-test", f"--node_rank={node_rank}",
+def test_two_nodes_with_their_own_checkouts_equal_one_node(shared_run, tmp_path):
+    """The README's multi-node recipe with nothing shared but the out_dir: node 1 runs from a second
+    checkout holding only the text (the offline recipe), nothing tokenised, under static rendezvous
+    (--master_addr/--master_port). Its local rank 0 must tokenise its own copy; the losses equal one
+    node's with 2 ranks."""
+    second = tmp_path / "node1"
+    shutil.copytree(REPO, second, ignore=shutil.ignore_patterns(".git", "data", "out", "runs", "__pycache__", ".*"))
+    (second / "data" / "shakespeare").mkdir(parents=True)
+    shutil.copy(os.path.join(REPO, "data", "shakespeare", "input.txt"), second / "data" / "shakespeare")
+    port, nodes = free_port(), []
+    for node_rank, checkout in ((0, REPO), (1, second)):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+               f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}",
                "ddp_train.py", *PARITY, "--max_iters", str(STEPS), "--out_dir", str(tmp_path / "two")]
         # Both "nodes" share this machine's cores as the 2 local ranks of one node do.
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        nodes.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
+        nodes.append(subprocess.Popen(cmd, cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True))
     try:
         outs = [p.communicate(timeout=300)[0] for p in nodes]
     finally:
         for p in nodes:
             _kill_all(p)
     assert all(p.returncode == 0 for p in nodes), "\n".join(o[-2000:] for o in outs)
+    assert sorted(os.listdir(second / "data" / "shakespeare")) == ["input.txt", "meta.json", "train.bin", "val.bin"]
     two, single = step_losses(tmp_path / "two"), uninterrupted(shared_run, "ddp_train.py", 2)
     print(f"two nodes vs one node: max |dloss| = {max(abs(a - b) for a, b in zip(two, single)):.2e}")
     assert two == single
+
+
+def test_data_wait_is_not_bounded_by_timeout_s(tmp_path, monkeypatch):
+    """Tokenising may take longer than --timeout_s (a step's collective bound): the other ranks wait
+    for it (here tokenising is slowed to 8 s with --timeout_s 3) and the run finishes."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import time\nimport common.data as d\nslow = d.prepare\n"
+        "d.prepare = lambda *a: (time.sleep(8) if __import__('os').environ.get('RANK') == '0' else None) or slow(*a)\n")
+    monkeypatch.setenv("PYTHONPATH", f"{hook}{os.pathsep}{REPO}")
+    run("ddp_train.py", 2, ["--max_iters", "1", "--timeout_s", "3"], tmp_path / "out")
+
+
+def test_device_auto_with_more_local_ranks_than_gpus_is_one_clear_error(tmp_path, monkeypatch):
+    """The README's first command on a 1-GPU machine: 2 local ranks, 1 GPU (faked)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import torch\ntorch.cuda.is_available = lambda: True\ntorch.cuda.device_count = lambda: 1\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert the_one_error("ddp_train.py", 2, ["--max_iters", "1", "--out_dir", str(tmp_path / "out")]) == (
+        "error: --device: auto needs one GPU per local rank: 2 local ranks, 1 GPU(s) on this node; "
+        "run at most 1 per node (--nproc_per_node), or pass --device cpu")
 
 
 def test_identical_runs_give_identical_losses(tmp_path):
@@ -284,3 +315,20 @@ BAD = [  # (script, flags, nproc (None: one process), the flag the error must na
 @pytest.mark.parametrize("script,flags,nproc,flag", BAD, ids=[f"{s[:-9]}{' '.join(f)}-{n or 1}r" for s, f, n, _ in BAD])
 def test_bad_input_sweep(script, flags, nproc, flag, tmp_path):
     assert flag in the_one_error(script, nproc, FLAGS + ["--max_iters", "3"] + flags + ["--out_dir", str(tmp_path)])
+
+
+def test_resume_rewrites_metrics_by_rename_never_in_place(tmp_path):
+    """A resumed run keeps the lines of the steps before its checkpoint. They go to a new file that
+    replaces metrics.jsonl by a rename, so a crash mid-rewrite cannot leave a truncated file: the
+    old file (seen here through a hard link) is never written to."""
+    from common.metrics import Metrics
+    lines = [json.dumps(dict(step=s, loss=10.0 - s)) + "\n" for s in range(8)] + ['{"summary": true}\n']
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(lines))
+    os.link(path, tmp_path / "old.jsonl")
+    metrics = Metrics(str(tmp_path), enabled=True, tensorboard=False, start_step=5)
+    metrics.log(dict(step=5, loss=1.0))
+    metrics.close()
+    assert (tmp_path / "old.jsonl").read_text() == "".join(lines)
+    assert path.read_text() == "".join(lines[:5]) + json.dumps(dict(step=5, loss=1.0)) + "\n"
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl", "old.jsonl"]  # no temporary file left
