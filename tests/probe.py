@@ -56,9 +56,10 @@ def hook(module, inputs):
 
 
 def counted(name, collective):
-    def call(tensor, *args, **kwargs):  # the dtype of the first tensor (the output, for a gather)
+    def call(*args, **kwargs):  # counted by the dtype of the first tensor (the output, for a gather)
+        tensor = (args or list(kwargs.values()))[0]
         record["collectives"][f"{name}:{tensor.dtype}"] += 1
-        return collective(tensor, *args, **kwargs)
+        return collective(*args, **kwargs)
     return call
 
 
