@@ -14,6 +14,8 @@ than P/N + the largest tensor. Tensors under --persistence_threshold elements st
   communication per micro-step: 2 broadcasts + 1 reduce of 4P bytes, less one broadcast of wpe (a
              lookup's backward reads no weight) and of the tied wte/lm_head (one tensor: fetched for
              the embedding and kept for the head, reduced once with both uses summed).
+  --dtype bfloat16: the model computes with bf16 parameters, broadcast in bf16 (2P bytes: each owner
+             casts its fp32 master); gradients are reduced in fp32, AdamW updates the fp32 masters.
 
 Run:
   python zero3_train.py                                   # single process: everything owned by rank 0
@@ -28,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.checkpoint import checkpoint, resume, set_adamw_state
@@ -54,49 +56,68 @@ def partition(named_shapes, world_size, persistence_threshold):
     return owner, load
 
 
-def materialize_owned_(model, owner, rank, value_of, device):
-    """Deferred init: storage and a value, value_of(name, shape) (the initial value, or the checkpoint's),
-    only for the tensors this rank owns and the persistent ones; the others get their shape on 0 bytes of
-    storage, which a broadcast fills when needed."""
-    made = {}
+def materialize_owned_(model, owner, rank, value_of, device, dtype=torch.float32):
+    """Deferred init: storage and a value, value_of(name, shape) (the initial value, or the checkpoint's), only for
+    the fp32 masters of the tensors this rank owns and the persistent ones; returns {parameter: master}. The model
+    computes with the masters themselves in fp32 (persistent ones always), else, as with the tensors owned
+    elsewhere, with `dtype` parameters of 0 bytes of storage, which a broadcast fills when needed."""
+    made, masters = {}, {}
     for name, p in model.named_parameters():  # the tied weight appears once
         if owner[name] in (None, rank):
-            t = value_of(name, p.shape).to(device, copy=True)
+            masters[p] = torch.nn.Parameter(value_of(name, p.shape).to(device, torch.float32, copy=True))
+        if p in masters and (owner[name] is None or dtype == torch.float32):
+            made[p] = masters[p]
         else:  # allocated and at once given back: at most one tensor's bytes, once
-            t = torch.empty(p.shape, device=device)
-            t.untyped_storage().resize_(0)
-        made[p] = torch.nn.Parameter(t)
+            made[p] = torch.nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype))
+            made[p].untyped_storage().resize_(0)
     for name, p in model.named_parameters(remove_duplicate=False):  # lm_head gets wte's Parameter: still tied
         module, _, local = name.rpartition(".")
         setattr(model.get_submodule(module), local, made[p])
+    return {made[p]: master for p, master in masters.items()}
+
+
+def flatten_(tensors):
+    """One flat buffer whose views `tensors` become (a lone tensor is its own), values kept: 0 bytes when
+    they hold none (not fetched here)."""
+    if len(tensors) == 1:
+        return tensors[0]
+    held = tensors[0].untyped_storage().nbytes() > 0  # a buffer's tensors: all held (its owner's) or none
+    flat = (torch.cat([t.detach().flatten() for t in tensors]) if held else
+            torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device))
+    for t, view in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.data = view.view_as(t)
+    if not held:
+        flat.untyped_storage().resize_(0)
+    return flat
 
 
 class Zero3:
     """Fetch/free of the partitioned tensors around each module, gradient reduces to the owners. Hooks fire
     in the same order on every rank, so all issue the same collectives and keep the same `fetched` bookkeeping.
-    Call `finish_backward()` after every backward; `sync_persistent = False` before accumulating only."""
+    Call `finish_backward()` after every backward; `sync_persistent = False` before accumulating only.
+    `masters`: {parameter: the fp32 tensor AdamW updates here} (materialize_owned_); `owned`, `persistent`: those."""
 
-    def __init__(self, model, owner, rank, world_size, prefetch=True, max_reuse_distance=0):
-        self.rank, self.world_size, self.prefetch = rank, world_size, prefetch
+    def __init__(self, model, owner, rank, world_size, masters, prefetch=True, max_reuse_distance=0):
+        self.rank, self.world_size, self.prefetch, self.masters = rank, world_size, prefetch, masters
         self.owner = {p: owner[n] for n, p in model.named_parameters()}  # parameter -> rank or None
-        self.owned = [p for p, r in self.owner.items() if r == rank]
-        self.persistent = [p for p, r in self.owner.items() if r is None]
+        self.owned = [masters[p] for p, r in self.owner.items() if r == rank]
+        self.persistent = [masters[p] for p, r in self.owner.items() if r is None]
         self.units = [model.transformer.wte, model.transformer.wpe, *model.transformer.h,
                       model.transformer.ln_f, model.lm_head]  # the modules, in forward order
         # One broadcast per (module, owner), not per tensor: that owner's tensors of a module are views of one buffer.
-        self.buffer_owner = {}  # flat buffer -> owner rank; unit_buffers: per module, its flat buffers
+        self.buffer_owner, self.master = {}, {}  # flat buffer -> owner rank; -> the owner's fp32 flat master
         self.unit_buffers = [[self._buffer([p for p in unit.parameters() if self.owner[p] == r], r)
                               for r in sorted({self.owner[p] for p in unit.parameters()} - {None})]
                              for unit in self.units]
         # DeepSpeed's stage3_max_reuse_distance: module i's forward keeps (keep[i]) the buffers a later module uses
-        # again within this many fetched elements (the tied wte: 1 broadcast a micro-step, not 2; 4 x V x C bytes held).
+        # again within this many fetched elements (the tied wte: 1 broadcast a micro-step, not 2; V x C values held).
         sizes = [sum(flat.numel() for flat in bs) for bs in self.unit_buffers]
         self.keep = [{b for j in range(i + 1, len(sizes)) if sum(sizes[i + 1:j]) <= max_reuse_distance
                       for b in set(self.unit_buffers[i]) & set(self.unit_buffers[j])} for i in range(len(sizes))]
         # an embedding lookup's backward reads no weight: only the others are fetched again for backward
         self.backward_order = [i for i, u in enumerate(self.units) if not isinstance(u, torch.nn.Embedding)][::-1]
         self.fetched = {}  # flat buffer -> in-flight broadcast work, or None once it has arrived
-        self.reduces, self.sync_persistent = [], True  # reduces: (parameter, in-flight reduce/all-reduce)
+        self.reduces, self.sync_persistent = [], True  # reduces: (gradient, its in-flight reduce/all-reduce)
         for i, unit in enumerate(self.units):
             unit.register_forward_pre_hook(lambda m, inputs, i=i: self._before(i, range(len(self.units))))
             unit.register_forward_hook(lambda m, inputs, out, i=i: self._after_forward(i))
@@ -107,32 +128,32 @@ class Zero3:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _buffer(self, params, owner):
-        """The flat buffer holding `params`, owned by `owner`: a lone tensor is its own (the tied wte: one buffer
-        for both its modules); several become views of one."""
-        flat = params[0]
-        if len(params) > 1:
-            flat = (torch.cat([p.detach().flatten() for p in params]) if owner == self.rank
-                    else torch.empty(sum(p.numel() for p in params), device=params[0].device))
-            for p, view in zip(params, flat.split([p.numel() for p in params])):
-                p.data = view.view_as(p)
-            if owner != self.rank:
-                flat.untyped_storage().resize_(0)
+        """The flat buffer the module computes with, holding `params`, owned by `owner` (the tied wte: one buffer
+        for both its modules). Its owner also keeps the flat fp32 master of the buffer: in fp32 the same one."""
+        flat = flatten_(params)
         self.buffer_owner[flat] = owner
+        if owner == self.rank:
+            masters = [self.masters[p] for p in params]
+            self.master[flat] = flat if masters[0] is params[0] else flatten_(masters)
         return flat
 
     def _fetch(self, i):
         for flat in (b for b in self.unit_buffers[i] if b not in self.fetched):  # not here nor on its way
-            if self.buffer_owner[flat] != self.rank:
-                flat.untyped_storage().resize_(flat.numel() * flat.element_size())  # the buffer
-            # The owner sends its tensors (numel x 4 bytes) to every other rank, async: it overlaps the running
-            # module. .data: writing in place must not bump the autograd version counters saved tensors check.
+            master = self.master.get(flat)  # this rank's fp32 master of it, if it owns it: in fp32 the buffer itself
+            if master is not flat:  # held only while used: owned elsewhere, or a bf16 buffer
+                flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+                if master is not None:
+                    flat.data.copy_(master.detach())  # bf16: the owner casts its fp32 master
+            # The owner sends its tensors (numel x 4 bytes; bf16: 2) to every other rank, async: it overlaps the
+            # running module. .data: writing in place must not bump the autograd version counters saved tensors
+            # check. What autograd saves are views of this buffer (under bf16 too: no autocast copies to keep).
             self.fetched[flat] = dist.broadcast(flat.data, src=self.buffer_owner[flat], async_op=True)
 
     def _free(self, i, keep=()):
         for flat in (b for b in self.unit_buffers[i] if b not in keep):
             if self.fetched.pop(flat, None) is not None:
                 raise RuntimeError("freeing a tensor whose broadcast is still in flight")
-            if self.buffer_owner[flat] != self.rank:
+            if self.master.get(flat) is not flat:
                 flat.untyped_storage().resize_(0)  # shapes kept; the bytes go back to the allocator
 
     def _before(self, i, order):
@@ -153,29 +174,25 @@ class Zero3:
 
     def _grad_ready(self, p):
         # Runs in backward once p.grad holds this micro-step's full gradient (the tied wte/lm_head: once, both
-        # uses summed). Every rank sends its p.grad (numel x 4 bytes) to the owner, which receives the sum; as its
-        # p.grad holds the earlier micro-steps' sums too, that is the accumulated gradient (non-owners start at None).
+        # uses summed). Every rank sends its fp32 gradient (numel x 4 bytes) to the owner, which receives the sum.
+        # The owner's fp32 gradient holds the earlier micro-steps' sums too: that is the accumulated gradient.
+        grad, master = p.grad.float(), self.masters.get(p)  # bf16: an fp32 copy; fp32: p.grad itself
+        if master is not p:  # a non-owner keeps no gradient (the reduce holds what it sends), nor does bf16 p
+            p.grad = None
+            if master is not None:  # the owner under bf16: accumulated in its fp32 master's gradient
+                master.grad = grad = grad if master.grad is None else master.grad.add_(grad)
         if self.owner[p] is not None:
-            self.reduces.append((p, dist.reduce(p.grad, dst=self.owner[p], async_op=True)))
+            self.reduces.append((grad, dist.reduce(grad, dst=self.owner[p], async_op=True)))
         elif self.sync_persistent:  # replicated tensor: sum every rank's gradient on every rank
-            self.reduces.append((p, dist.all_reduce(p.grad, async_op=True)))
-        self._release_reduced(wait=False)
-
-    def _release_reduced(self, wait):
-        pending = []
-        for p, work in self.reduces:
-            if wait:
-                work.wait()
-            if not (wait or work.is_completed()):
-                pending.append((p, work))
-            elif self.owner[p] not in (None, self.rank):
-                p.grad = None  # sent: a non-owner keeps no gradient
-        self.reduces = pending
+            self.reduces.append((grad, dist.all_reduce(grad, async_op=True)))
+        self.reduces = [(g, work) for g, work in self.reduces if not work.is_completed()]  # sent: let go
 
     def finish_backward(self):
         """Wait for the gradient reduces; afterwards no rank holds a non-owned parameter or gradient."""
         with timers("reduce_wait"):
-            self._release_reduced(wait=True)
+            for _, work in self.reduces:
+                work.wait()
+        self.reduces = []
         assert not self.fetched, "a fetched tensor was not freed"
 
 
@@ -186,9 +203,10 @@ def gather_full_state(model, optimizer, zero3):
     rank, params, optim = dist.get_rank(), {}, {}
     for name, p in model.named_parameters():
         owner, n = zero3.owner[p] or 0, p.numel()  # a persistent tensor: rank 0's copy
-        if rank == owner:
-            s = optimizer.state[p]
-            packed = torch.cat([t.flatten().to(p) for t in (p, s["exp_avg"], s["exp_avg_sq"], s["step"])])
+        if rank == owner:  # the fp32 master and its AdamW state
+            m = zero3.masters[p]
+            s = optimizer.state[m]
+            packed = torch.cat([t.flatten().to(m) for t in (m, s["exp_avg"], s["exp_avg_sq"], s["step"])])
         elif rank == 0:
             packed = torch.empty(3 * n + 1, device=p.device)
         if owner != 0 and rank in (0, owner):
@@ -212,10 +230,12 @@ class ZeRO3:
         owner, load = partition([(n, p.shape) for n, p in self.model.named_parameters()], self.world_size,
                                 args.persistence_threshold)
         # From a full checkpoint (any script, any world size) each rank takes only what it keeps here.
-        materialize_owned_(self.model, owner, self.rank, lambda name, shape: state[name] if state is not None
-                           else init_tensor(name, shape, config, args.seed), device)
-        self.zero3 = Zero3(self.model, owner, self.rank, self.world_size, args.prefetch, args.max_reuse_distance)
-        self.kept = [(n, p) for n, p in self.model.named_parameters() if owner[n] in (None, self.rank)]
+        masters = materialize_owned_(self.model, owner, self.rank, lambda name, shape: state[name] if state is not None
+                                     else init_tensor(name, shape, config, args.seed), device,
+                                     torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
+        self.zero3 = Zero3(self.model, owner, self.rank, self.world_size, masters, args.prefetch,
+                           args.max_reuse_distance)
+        self.kept = [(n, masters[p]) for n, p in self.model.named_parameters() if p in masters]  # what AdamW updates
         if self.rank == 0:  # the partition banner
             owners, persistent = list(owner.values()), 4 * sum(p.numel() for p in self.zero3.persistent)
             print(f"partition: {owners.count(None)} persistent tensors of {persistent:,} bytes on every rank; owned:")
@@ -278,6 +298,10 @@ def check_zero3_args(args, world_size):
     for flag in ("persistence_threshold", "max_reuse_distance"):
         if getattr(args, flag) < 0:
             die(f"--{flag}: must be >= 0, got {getattr(args, flag)}")
+    custom_only = dict(prefetch=True, persistence_threshold=0, max_reuse_distance=10**9)
+    for flag, default in custom_only.items():  # FSDP2 shards every tensor, always prefetches, frees after use
+        if args.implementation == "pytorch" and getattr(args, flag) != default:
+            die(f"--{flag}: {str(getattr(args, flag)).lower()} is only supported by --implementation custom")
     check_batch_split(args, world_size)
     return world_size
 
@@ -362,9 +386,11 @@ class TorchZeRO3(ZeRO3):
         self.args, self.device = args, device
         self.model = GPT(config, device="meta")
         self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if args.dtype == "bfloat16" else MixedPrecisionPolicy()  # bf16: gathers bf16, as Zero3 broadcasts it
         for block in self.model.transformer.h:
-            fully_shard(block, mesh=self.mesh)
-        fully_shard(self.model, mesh=self.mesh)
+            fully_shard(block, mesh=self.mesh, mp_policy=mp)
+        fully_shard(self.model, mesh=self.mesh, mp_policy=mp)
         self.model.to_empty(device=device)  # allocates only this rank's shards
         self.kept = list(self.model.named_parameters())
         with torch.no_grad():
