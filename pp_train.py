@@ -12,7 +12,8 @@ The schedule orders each rank's forwards (F) and backwards (B). With equal stage
 (pp_size-1)/(M+pp_size-1) of a step; --print_schedule measures it and draws a timeline per rank.
   gpipe        all M forwards, then all M backwards: M micro-batches' activations live at once.
   1f1b         pp_size-r-1 warm-up forwards, then one F one B: at most pp_size micro-batches live, whatever M is.
-  interleaved  1F1B over V chunks per rank (Megatron): V times less bubble, for V times more messages.
+  interleaved  1F1B over V chunks per rank (Megatron): a bubble of (pp_size-1)/(V*M+pp_size-1), for V times more
+               messages.
 
 Run:
   python pp_train.py                                   # single process: one stage, the reference
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch.autograd.graph import get_gradient_edge
 
 from common.checkpoint import checkpoint, resume, set_adamw_state
-from common.config import check_batch_split, die, get_lr, gpt_config, parse_args
+from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
 from common.metrics import Metrics, Profiler, SavedActivations, model_state_bytes, timers
@@ -100,6 +101,54 @@ def schedule_actions(schedule, rank, stages, microbatches, virtual=1):
     return [forward(k) for k in range(warmup)] + steady + [backward(k) for k in range(total - warmup, total)]
 
 
+def messages(action, rank, pp_size, n_stages):
+    """What `action` on `rank` receives and sends, each (peer rank, name), None at the ends of the pipeline. A message
+    is named (op, micro-batch, sending stage): F sends its output to the next stage, B its input's gradient back."""
+    op, mb, c = action
+    s, d = c * pp_size + rank, 1 if op == "F" else -1
+    recv = ((s - d) % pp_size, (op, mb, s - d)) if 0 <= s - d < n_stages else None
+    send = ((s + d) % pp_size, (op, mb, s)) if 0 <= s + d < n_stages else None
+    return recv, send
+
+
+def timetable(actions, n_stages):
+    """Every rank's actions (actions[r]: rank r's, in order) on one clock of equal steps, as PyTorch's pipelining
+    lays out its multi-stage schedules: a rank runs its next action at the first step after the one that sent the
+    message it needs, and idles (None) until then. Returns table[rank][step]."""
+    p, todo, sent = len(actions), [list(a) for a in actions], set()
+    table = [[] for _ in actions]
+    while any(todo):
+        need = [q and messages(q[0], r, p, n_stages)[0] for r, q in enumerate(todo)]
+        step = [q.pop(0) if q and (n is None or n[1] in sent) else None for q, n in zip(todo, need)]
+        assert any(step), "the schedule waits for itself"
+        for r, action in enumerate(step):
+            table[r].append(action)
+            send = action and messages(action, r, p, n_stages)[1]
+            sent |= {send[1]} if send else set()
+    return table
+
+
+def p2p_program(table, rank, n_stages):
+    """This rank's program, one entry per step of the timetable: (its action or None, the messages exchanged after
+    it, as (peer, is_send, name)): what its action sends, and what the neighbours' actions of the same step send to it.
+    Under NCCL a send may complete only when its receive is posted, and messages between two ranks are matched in
+    order; so each step's sends and receives are posted together (one batch_isend_irecv) and waited before the next
+    step, as torch.distributed.pipelining does: every message is received in the step it is sent, in the same order on
+    both sides, and no rank waits in a send for a peer that waits in a send itself (when interleaved, activations
+    flow both ways between ranks 0 and pp_size-1)."""
+    p, program = len(table), []
+    for t, action in enumerate(table[rank]):
+        ops = []
+        for q in range(p):
+            send = table[q][t] and messages(table[q][t], q, p, n_stages)[1]
+            if send and q == rank:
+                ops.append((send[0], True, send[1]))
+            elif send and send[0] == rank:
+                ops.append((q, False, send[1]))
+        program.append((action, ops))
+    return program
+
+
 def sum_tied_gradient(chunks, rank, pp_size, tied_group):
     """wte (rank 0) and its copy lm_head (rank pp_size-1) each got one part of the tied gradient, the lookup's and
     the head's. Both ranks send their vocab x C fp32 gradient (4*vocab*C bytes) and receive the other's: after the
@@ -118,12 +167,15 @@ class Pipeline:
         self.n_stages = self.pp_size * V
         self.chunks = nn.ModuleList(Stage(config, c * self.pp_size + self.rank, self.n_stages, state, args.seed,
                                           device) for c in range(V))
-        # Made by every rank, in the same order. Activations and their gradients get a communicator each, so a
-        # message is matched only with its own kind (ranks 0 and pp_size-1 send both kinds the same way when
-        # interleaved), in the order sent (schedules keep it per kind). tied_group: wte's rank and its copy's.
-        self.act_group, self.grad_group = dist.new_group(), dist.new_group()
+        # Made by every rank, in the same order. p2p_group: the pipeline's messages, apart from the loop's
+        # collectives; tied_group: wte's rank and its copy's.
+        self.p2p_group = dist.new_group()
         self.tied_group = dist.new_group([0, self.pp_size - 1]) if self.pp_size > 1 else None
-        self.actions = schedule_actions(args.schedule, self.rank, self.pp_size, self.M, V)
+        every = [schedule_actions(args.schedule, r, self.pp_size, self.M, V) for r in range(self.pp_size)]
+        self.actions = every[self.rank]
+        self.program = p2p_program(timetable(every, self.n_stages), self.rank, self.n_stages)
+        self.eval_program = p2p_program(timetable([[a for a in actions if a[0] == "F"] for actions in every],
+                                                  self.n_stages), self.rank, self.n_stages)
 
     def named_parameters(self):
         return [(n, q) for chunk in self.chunks for n, q in chunk.named_parameters()]
@@ -138,56 +190,56 @@ class Pipeline:
 
     def forward_backward(self, x, y, sync):
         """One micro-step as M micro-batches through this rank's actions: its loss on the last rank, else 0."""
-        loss = self.run(self.actions, x.chunk(self.M), y.chunk(self.M))
+        loss = self.run(self.program, x.chunk(self.M), y.chunk(self.M))
         if sync:  # else the tied gradient waits for the last micro-step (gradient accumulation)
             sum_tied_gradient(self.chunks, self.rank, self.pp_size, self.tied_group)
         return loss
 
-    def run(self, actions, xs, ys):
-        """Runs `actions` over the micro-batches xs[i], ys[i]; returns the mean of their losses on the last stage,
-        0 elsewhere. Without grad (evaluation): forwards only. Receives block (the data is needed now); sends are
-        asynchronous, so no rank waits on a peer that is itself waiting in a send."""
+    def run(self, program, xs, ys):
+        """Runs `program` (see p2p_program) over the micro-batches xs[i], ys[i]; returns the mean of their losses on
+        the last stage, 0 elsewhere. Without grad (evaluation): a program of forwards only."""
         r, p, last, A = self.rank, self.pp_size, self.n_stages - 1, self.args.grad_accum_steps
         shape = (*xs[0].shape, self.config.n_embd)  # fixed, never exchanged; fp32 under bf16 autocast too
-        stash, sends, loss_sum = {}, [], torch.zeros((), device=self.device)  # stash: see the end of a forward
-        for op, mb, c in actions:
-            s = c * p + r  # this chunk's global stage
-            sends = [(w, t) for w, t in sends if not w.is_completed()]  # a delivered tensor is freed here
-            if op == "F":
-                inp = xs[mb] if s == 0 else torch.empty(shape, device=self.device)
-                if s > 0:  # the previous stage's output for this micro-batch: 4*rows*T*C bytes from rank r-1
-                    dist.recv(inp, src=(r - 1) % p, group=self.act_group)
-                    inp.requires_grad_(torch.is_grad_enabled())
-                with timers("compute", label=(op, mb, c)), autocast(self.args, self.device):
-                    out = self.chunks[c](inp, ys[mb])  # on the last stage: the micro-batch's mean loss
-                if s == last:
-                    loss_sum += out.detach() / len(xs)
-                    out = out / (len(xs) * A)  # a micro-batch is 1/(M*A) of the step
-                else:  # to the next stage: rank r+1 (rank 0 again when the last rank's chunk c < V-1)
-                    sends.append((dist.isend(out.detach(), dst=(r + 1) % p, group=self.act_group), out.detach()))
-                if torch.is_grad_enabled():
-                    # Keep the input (its gradient goes back) and only the output's autograd edge: the output
-                    # itself is freed once its send completes (the ops after it saved their own inputs).
-                    stash[(mb, c)] = (inp, get_gradient_edge(out))
-            else:
-                inp, edge = stash.pop((mb, c))
-                grad = None if s == last else torch.empty(shape, device=self.device)
-                if s != last:  # d(loss)/d(our output) from the next stage: 4*rows*T*C bytes
-                    dist.recv(grad, src=(r + 1) % p, group=self.grad_group)
-                with timers("compute", label=(op, mb, c)):
-                    torch.autograd.backward(edge, grad)
-                if s != 0:  # d(loss)/d(our input) to the previous stage
-                    sends.append((dist.isend(inp.grad, dst=(r - 1) % p, group=self.grad_group), inp.grad))
-                del inp, edge
-        for work, _ in sends:
-            work.wait()
+        stash, inbox, loss_sum = {}, {}, torch.zeros((), device=self.device)  # inbox: received, by message name
+        for action, exchange in program:
+            if action is not None:
+                op, mb, c = action
+                s = c * p + r  # this chunk's global stage
+                if op == "F":  # the input: token ids on stage 0, else the previous stage's output
+                    inp = xs[mb] if s == 0 else inbox.pop(("F", mb, s - 1)).requires_grad_(torch.is_grad_enabled())
+                    with timers("compute", label=action), autocast(self.args, self.device):
+                        out = self.chunks[c](inp, ys[mb])  # on the last stage: the micro-batch's mean loss
+                    if s == last:
+                        loss_sum += out.detach() / len(xs)
+                        out = out / (len(xs) * A)  # a micro-batch is 1/(M*A) of the step
+                    if torch.is_grad_enabled():
+                        # Keep the input (its gradient goes back) and only the output's autograd edge: the output
+                        # itself is freed once sent (the ops after it saved their own inputs).
+                        stash[(mb, c)] = (inp, get_gradient_edge(out))
+                    result = out.detach()
+                else:  # d(loss)/d(our output) came from the next stage (the last stage starts from its loss)
+                    inp, edge = stash.pop((mb, c))
+                    with timers("compute", label=action):
+                        torch.autograd.backward(edge, None if s == last else inbox.pop(("B", mb, s + 1)))
+                    result = inp.grad  # d(loss)/d(our input), for the previous stage
+                    del inp, edge
+            # This step's messages, 4*rows*T*C bytes each: our result to rank r+1 (F) or r-1 (B), and what those
+            # ranks sent us in the same step, as one batch, waited before the next step (see p2p_program).
+            ops = []
+            for peer, is_send, name in exchange:
+                if not is_send:
+                    inbox[name] = torch.empty(shape, device=self.device)
+                ops.append(dist.P2POp(dist.isend if is_send else dist.irecv, result if is_send else inbox[name], peer,
+                                      self.p2p_group))
+            for work in dist.batch_isend_irecv(ops) if ops else ():
+                work.wait()
         return loss_sum
 
     @torch.no_grad()
     def eval_loss(self, x, y):
         """Forwards only through the pipeline: the loss on the last rank, 0 elsewhere."""
         self.chunks.eval()
-        loss = self.run([a for a in self.actions if a[0] == "F"], x.chunk(self.M), y.chunk(self.M))
+        loss = self.run(self.eval_program, x.chunk(self.M), y.chunk(self.M))
         self.chunks.train()
         return loss
 
@@ -227,8 +279,8 @@ def add_pp_flags(group):
     group.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
     group.add_argument("--n_microbatches", type=int, default=4, help="micro-batches per micro-step")
     group.add_argument("--virtual_stages", type=int, default=None, help="chunks per rank, interleaved only (default 2)")
-    group.add_argument("--print_schedule", action="store_true",
-                       help="custom only: time every step; print the last one's timeline and the bubble")
+    add_bool(group, "--print_schedule", False,
+             "custom only: time every step; print the last one's timeline and the bubble")
 
 
 def check_pp_args(args, world_size):
@@ -377,7 +429,7 @@ class ScheduleReport:
         busy = [[sum(t1 - t0 for _, t0, t1 in spans) for spans in step] for step in self.steps]  # per step, rank
         bubble = statistics.median(1 - statistics.mean(b) / end for b, end in zip(busy, ends))  # mean over ranks
         S = [1000 * statistics.median(b[r] for b in busy) for r in range(p)]  # F+B ms per step, per rank
-        theory = (p - 1) / (M + p - 1) / V  # for equal stages. For the measured S: the slowest stage computes
+        theory = (p - 1) / (V * M + p - 1)  # for equal stages. For the measured S: the slowest stage computes
         # throughout, every other adds one micro-batch's (chunk's) share to fill and drain the pipeline.
         staged = 1 - sum(S) / (p * (max(S) + (sum(S) - max(S)) / (M * V)))
         if model.rank == 0:  # one row per rank; 'F3' = forward of micro-batch 3 (chunk a, b, .. when V > 1)
@@ -391,7 +443,7 @@ class ScheduleReport:
                     line[a:b] = (f"{op}{mb}{'abcdefghij'[c] if V > 1 else ''}" + "-" * width)[:b - a]
                 print(f"  rank {rank} |{''.join(line)}|")
             print(f"bubble: measured {bubble:.1%} (median of {len(ends)} steps, mean over ranks), theory {theory:.1%} "
-                  f"= (p-1)/(m+p-1){'/V' if V > 1 else ''} with p={p}, m={M}{f', V={V}' if V > 1 else ''}\n"
+                  f"= (p-1)/({'V*' if V > 1 else ''}m+p-1) with p={p}, m={M}{f', V={V}' if V > 1 else ''}\n"
                   f"  the theory assumes equal stages; measured F+B ms per step and rank: {[round(s) for s in S]}, "
                   f"for which the same model of the schedule gives {staged:.1%}")
         return dict(extra, run=dict(bubble_measured=bubble, bubble_theory=theory, bubble_for_stage_times=staged))
