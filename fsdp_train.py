@@ -24,6 +24,7 @@ Run:
   torchrun --standalone --nproc_per_node=2 fsdp_train.py --resume_sharded out/fsdp/sharded
 """
 import os
+import shutil
 import time
 from functools import partial
 
@@ -230,7 +231,8 @@ class FSDP:
         self.fsdp = FullyShardedGPT(self.model, value_of, dist.get_rank(), dist.get_world_size(), device,
                                     compute_dtype, args.reshard_after_forward, args.prefetch)
         self.units = self.fsdp.units
-        self.sharded_state = load_sharded(args.resume_sharded, self.units) if args.resume_sharded else ()
+        self.sharded_state = torch.load(sharded_file(args.resume_sharded, dist.get_rank()), map_location=device,
+                                        weights_only=True)["units"] if args.resume_sharded else ()
         for unit, saved in zip(self.units, self.sharded_state):  # this rank's own file: the shards as saved
             unit.local_shard.data.copy_(saved.pop("local_shard"))
 
@@ -300,42 +302,91 @@ def check_fsdp_args(args, world_size):
     for flag, default in custom_only.items():
         if args.implementation == "pytorch" and getattr(args, flag) != default:  # FSDP2 always prefetches
             die(f"--{flag}: {str(getattr(args, flag)).lower()} is only supported by --implementation custom")
-    if args.resume_sharded and not os.path.exists(os.path.join(args.resume_sharded, "manifest.pt")):
-        die(f"--resume_sharded: no manifest.pt in {args.resume_sharded}")
     check_batch_split(args, world_size)
     return world_size
 
 
 # ---- the sharded checkpoint: a file per rank beside the full one -------------------------
 
-def load_sharded(path, units):
-    """[{"local_shard", AdamW state}] per unit, from this rank's file of the sharded checkpoint at path."""
-    manifest = torch.load(os.path.join(path, "manifest.pt"), weights_only=False)
-    if manifest["world_size"] != dist.get_world_size() or manifest["shard_sizes"] != [u.shard_size for u in units]:
-        die(f"--resume_sharded: {path} was written by {manifest['world_size']} ranks for another model")
-    return torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"), map_location=units[0].device)
-
-
 def checkpoint(step, model, optimizer, config, args):
-    """common's full checkpoint (ckpt.pt: gathered, portable). --sharded_checkpoint also writes out_dir/sharded/:
-    each rank its shards and AdamW state (no communication), rank 0 a manifest: for the same world size only."""
+    """common's full checkpoint (ckpt.pt: gathered, portable). --sharded_checkpoint also writes, with no
+    tensor communication, a checkpoint for the same world size only, under out_dir/sharded/:
+      step_<N>/rank<r>.pt  rank r's shards and AdamW state ("units"), stamped with the save's header:
+                           step, world_size, every GPTConfig field, folder, save (an id)
+      manifest.pt          the header of the published save, written last (an atomic rename) by rank 0
+                           once every rank's file is on disk
+    Each save goes to a new folder, so a save that dies midway leaves the previous one published;
+    the older folders are removed once the new one is published."""
     full_checkpoint(step, model, optimizer, config, args)
-    if args.sharded_checkpoint:
-        path, rank, units = os.path.join(args.out_dir, "sharded"), dist.get_rank(), model.units
-        save_atomic([{"local_shard": u.local_shard.detach(), **optimizer.state.get(u.local_shard, {})} for u in units],
-                    os.path.join(path, f"rank{rank}.pt"))
-        dist.barrier()  # the manifest, written last, says every rank's file is complete
-        if rank == 0:
-            save_atomic(dict(step=step, world_size=dist.get_world_size(), shard_sizes=[u.shard_size for u in units],
-                             units=[[names for names, _, _ in u.tensors] for u in units]),
-                        os.path.join(path, "manifest.pt"))
+    if not args.sharded_checkpoint:
+        return
+    root, rank, header = os.path.join(args.out_dir, "sharded"), dist.get_rank(), [None]
+    if rank == 0:  # the folder (never the published one: step_<N>_b when that is step_<N>), for every rank
+        published = (load_file(os.path.join(root, "manifest.pt"))[0] or {}).get("folder")
+        folder = f"step_{step}" + ("_b" if published == f"step_{step}" else "")
+        shutil.rmtree(os.path.join(root, folder), ignore_errors=True)  # what a save that died there left
+        header[0] = dict(step=step, world_size=dist.get_world_size(), **config.__dict__, folder=folder,
+                         save=time.time_ns())
+    dist.broadcast_object_list(header, src=0)
+    header = header[0]
+    save_atomic(dict(header, units=[{"local_shard": u.local_shard.detach(), **optimizer.state.get(u.local_shard, {})}
+                                    for u in model.units]), os.path.join(root, header["folder"], f"rank{rank}.pt"))
+    dist.barrier()  # every rank's file is written and fsync'd before the manifest publishes the folder
+    if rank == 0:
+        save_atomic(header, os.path.join(root, "manifest.pt"))
+        for old in os.listdir(root):
+            if old.startswith("step_") and old != header["folder"]:
+                shutil.rmtree(os.path.join(root, old))
+
+
+def load_file(path):
+    """(what torch saved at path, None), or (None, why it cannot be read: missing, truncated, not torch's)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True), None
+    except Exception as e:
+        return None, f"{path} cannot be read ({type(e).__name__})"
+
+
+def sharded_file(path, rank):
+    """Rank's file in the folder that the manifest of the sharded checkpoint at path publishes."""
+    return os.path.join(path, load_file(os.path.join(path, "manifest.pt"))[0]["folder"], f"rank{rank}.pt")
+
+
+def check_sharded(args, rank, world_size):
+    """None if this rank can resume from the sharded checkpoint at args.resume_sharded, else the error line:
+    the manifest must fit this run's world size and model flags, and this rank's file the manifest."""
+    path = args.resume_sharded
+    manifest, error = load_file(os.path.join(path, "manifest.pt"))
+    if error or not isinstance(manifest, dict) or "folder" not in manifest:
+        return f"--resume_sharded: {error or f'{path}/manifest.pt is not a sharded checkpoint manifest'}"
+    if manifest["world_size"] != world_size:
+        return f"--resume_sharded: {path} was written by {manifest['world_size']} ranks, this run has {world_size}"
+    for key, value in gpt_config(args).__dict__.items():
+        if key != "dropout" and manifest.get(key) != value:  # dropout may change on resume, as in --resume
+            return f"--resume_sharded: {path} was saved with {key}={manifest.get(key)}, this run has --{key} {value}"
+    if manifest["step"] > args.max_iters:
+        return f"--resume_sharded: {path} is at step {manifest['step']}, past --max_iters {args.max_iters}"
+    file = os.path.join(path, manifest["folder"], f"rank{rank}.pt")
+    saved, error = load_file(file)
+    if error or not isinstance(saved, dict):
+        return f"--resume_sharded: {error or f'{file} is not a sharded checkpoint file'}"
+    for key, value in manifest.items():  # a file of another save (a mixed set) differs in step or save
+        if saved.get(key) != value:
+            return (f"--resume_sharded: {file} is not of the save that {path}/manifest.pt publishes "
+                    f"({key} {saved.get(key)}, not {value})")
+    return None
 
 
 def resume(args):
-    """common's resume; with --resume_sharded, the sharded checkpoint's step (FSDP loads the rest)."""
+    """common's resume; with --resume_sharded, the sharded checkpoint's step (FSDP loads the rest), once every
+    rank has checked its own file: the verdicts are gathered, so a bad one ends all ranks with one line."""
     ckpt = full_resume(args)
     if args.resume_sharded:
-        manifest = torch.load(os.path.join(args.resume_sharded, "manifest.pt"), weights_only=False)
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, check_sharded(args, dist.get_rank(), dist.get_world_size()))
+        if any(verdicts):
+            die(next(v for v in verdicts if v))
+        manifest = load_file(os.path.join(args.resume_sharded, "manifest.pt"))[0]
         ckpt = dict(ckpt or dict(model=None, optimizer=None), step=manifest["step"])
     return ckpt
 
