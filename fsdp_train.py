@@ -64,7 +64,7 @@ class FlatParamUnit:
         self.local_shard = torch.nn.Parameter(self.shard_of(value_of))  # fp32: what AdamW updates
         self.local_shard.grad = torch.zeros_like(self.local_shard)
         for module, attr in [owner for _, _, owners in self.tensors for owner in owners]:
-            del module._parameters[attr]  # from now on a plain attribute, set by use_views()
+            delattr(module, attr)  # no longer a registered parameter: a plain attribute, set by use_views()
         self.compute_dtype, self.flat_param, self.work, self.sent = compute_dtype, None, None, None
         self.post_backward = None  # called with flat_param once its gradient is complete (set by the driver)
 
@@ -118,11 +118,10 @@ def unit_tensors(module, prefix, skip=None):
     for mod_name, mod in module.named_modules(prefix=prefix.rstrip(".")):
         if skip and mod_name.startswith(skip):
             continue
-        for attr, p in mod._parameters.items():
-            if p is not None:
-                names, _, owners = found.setdefault(id(p), ([], p.shape, []))
-                names.append(f"{mod_name}.{attr}" if mod_name else attr)
-                owners.append((mod, attr))
+        for attr, p in mod.named_parameters(recurse=False):
+            names, _, owners = found.setdefault(id(p), ([], p.shape, []))
+            names.append(f"{mod_name}.{attr}" if mod_name else attr)
+            owners.append((mod, attr))
     return list(found.values())
 
 
