@@ -30,7 +30,7 @@ Run:
 import os
 import time
 import types
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -181,6 +181,47 @@ class TP:
         self.sp = sequence_parallel
 
 
+# ---- the strategy: dropout's two random streams, as in Megatron -----------------------------
+# Without SP the embedding and residual dropouts act on activations every TP rank holds whole: the ranks must
+# drop the same units, or the copies diverge, so they draw from the shared stream, the default generators, made
+# equal on the TP group (share_rng). The attention dropout on a rank's own heads, and with SP every dropout (on
+# its sequence shard), draws from the rank's own stream instead (Megatron's model-parallel RNG), forked here.
+
+def device_generator(device):  # CUDA ops draw from the GPU's generator, not the CPU's
+    return torch.cuda.default_generators[device.index] if device.type == "cuda" else torch.default_generator
+
+
+@contextmanager
+def tp_rank_rng(tp_rank, device):
+    """Seeds the device's generator with seed + tp_rank, seed drawn from the shared CPU stream (equal on the TP
+    group; no device sync), and puts the shared state back on exit. The forked stream is a function of the shared
+    one, so the checkpoint's default generator states restore both: no state or communication of its own."""
+    seed, generator = int(torch.randint(2**62, ())), device_generator(device)
+    shared = generator.get_state()
+    generator.manual_seed(seed + tp_rank)
+    try:
+        yield
+    finally:
+        generator.set_state(shared)
+
+
+class TPRankDropout(nn.Dropout):
+    """--sequence_parallel: GPT's nn.Dropouts (embedding, residuals) act on sequence shards: the rank's own stream."""
+    def __init__(self, p, tp_rank):
+        super().__init__(p)
+        self.tp_rank = tp_rank
+
+    def forward(self, x):
+        with tp_rank_rng(self.tp_rank, x.device) if self.training and self.p else nullcontext():
+            return super().forward(x)
+
+
+def fork_sequence_parallel_dropouts(model, tp_rank):
+    for name, module in [(n, m) for n, m in model.named_modules() if type(m) is nn.Dropout]:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, TPRankDropout(module.p, tp_rank))
+
+
 class ColumnParallelLinear(nn.Module):
     """y_r = f(x) W_r^T + b_r: this rank's out_features/tp_size outputs, from the whole input."""
     def __init__(self, tp, in_features, out_features, bias):
@@ -228,13 +269,15 @@ class TPAttention(nn.Module):
         self.c_attn = ColumnParallelLinear(tp, config.n_embd, 3 * config.n_embd, config.bias)
         self.c_proj = RowParallelLinear(tp, config.n_embd, config.n_embd, config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head, self.dropout = config.n_head // tp.size, config.dropout  # this rank's heads
+        self.n_head, self.dropout, self.tp_rank = config.n_head // tp.size, config.dropout, tp.rank  # this rank's heads
 
     def forward(self, x):  # also the forward of torch's c_attn (ColwiseParallel) in TorchTP
         qkv = self.c_attn(x)  # (B, T, 3C/tp_size) = [q_r, k_r, v_r]: this rank's heads, whole
         B, T, _ = qkv.shape
         q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in qkv.chunk(3, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        p = self.dropout if self.training else 0.0
+        with tp_rank_rng(self.tp_rank, x.device) if p else nullcontext():  # this rank's heads: its own masks
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
@@ -258,6 +301,8 @@ class TPGPT(GPT):
             for name, p in self.named_parameters():
                 full = state[name] if state is not None else init_tensor(name, full_shapes[name], config, seed)
                 p.copy_(shard(name, full, tp.rank, tp.size))
+        if tp.sp:
+            fork_sequence_parallel_dropouts(self, tp.rank)
         # replicated parameters used on sequence shards get partial gradients with SP
         self.sequence_parallel_params = [p for n, p in self.named_parameters() if shard_dim(n) is None] if tp.sp else []
 
@@ -286,27 +331,27 @@ class TensorParallel:
     row of the D x tp_size grid), its gradients averaged over the DP group (a column)."""
 
     def __init__(self, config, args, device, state=None):
-        rng = torch.get_rng_state()  # resume() set it; building the model may draw from it
         self.args, self.device, self.tp_size = args, device, args.tensor_parallel_size
         # The D x tp_size grid: row d a TP group (consecutive ranks: one node's fast links), column a DP group.
         self.grid = torch.arange(dist.get_world_size()).view(-1, self.tp_size)
         self.tp_group, _ = dist.new_subgroups_by_enumeration(self.grid.tolist())  # every rank creates every group
         self.dp_group, _ = dist.new_subgroups_by_enumeration(self.grid.t().tolist())
-        tp = TP(self.tp_group, args.sequence_parallel)
-        self.model = TPGPT(tp, config, args.seed, device, args.loss_parallel, state)
-        self.seed_dropout(rng, resumed=state is not None)
+        self.share_rng(resumed=state is not None)
+        self.model = TPGPT(TP(self.tp_group, args.sequence_parallel), config, args.seed, device, args.loss_parallel,
+                           state)
 
-    def seed_dropout(self, rng, resumed):
-        """Without SP the TP ranks draw the same dropout masks (their activations are replicated); with SP
-        each its own. On resume, resume()'s RNG state goes on; without SP, TP rank 0's (a checkpoint of
-        another layout has one per rank)."""
-        sp, tp_rank = self.args.sequence_parallel, dist.get_rank(self.tp_group)
-        torch.manual_seed(self.args.seed + 1000 * dist.get_rank(self.dp_group) + (tp_rank if sp else 0))  # CPU and CUDA
-        if resumed:
-            rng = rng.to(self.device)
-            if not sp:
-                dist.broadcast(rng, group=self.tp_group, group_src=0)  # 5 KB
-            torch.set_rng_state(rng.cpu())
+    def share_rng(self, resumed):
+        """Makes dropout's shared stream, the default generators (CPU, and the device's), equal on the TP
+        group's ranks and different across DP replicas. Fresh: seeded by DP rank (setup() seeded by global
+        rank). Resumed: resume() restored each rank's states; TP rank 0's go to the others, as a checkpoint of
+        another world size or script holds unequal ones (of this layout: equal already). Once, not per step."""
+        for generator in dict.fromkeys([torch.default_generator, device_generator(self.device)]):  # in order
+            if resumed:
+                state = generator.get_state().to(self.device)  # nccl sends device tensors
+                dist.broadcast(state, group=self.tp_group, group_src=0)  # 5 KB (the CPU state), 16 B (CUDA's)
+                generator.set_state(state.cpu())
+            else:
+                generator.manual_seed(self.args.seed + dist.get_rank(self.dp_group))
 
     def configure_optimizer(self, args, state=None):
         optimizer = configure_optimizer(self.model.named_parameters(), args.weight_decay, args.learning_rate,
@@ -484,7 +529,7 @@ def parallelize_torch(model, tp_mesh, sequence_parallel, loss_parallel):
             if "c_attn" in name:
                 p.copy_(rank_ordered(name, p, tp_size))
     for block in model.transformer.h:
-        block.attn.n_head //= tp_size
+        block.attn.n_head, block.attn.tp_rank = block.attn.n_head // tp_size, tp_mesh.get_local_rank()
         block.attn.forward = types.MethodType(TPAttention.forward, block.attn)
     col, row = ColwiseParallel(input_layouts=seq), RowwiseParallel(output_layouts=seq)
     plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -493,9 +538,10 @@ def parallelize_torch(model, tp_mesh, sequence_parallel, loss_parallel):
     for i in range(len(model.transformer.h)):
         b = f"transformer.h.{i}."
         plan.update({b + "attn.c_attn": col, b + "attn.c_proj": row, b + "mlp.c_fc": col, b + "mlp.c_proj": row})
-    if sequence_parallel:  # the LayerNorms on sequence shards; wpe's (T, C) output reduce-scattered by position
+    if sequence_parallel:  # LayerNorms and dropouts on sequence shards; wpe's output reduce-scattered by position
         plan.update({name: SequenceParallel() for name, _ in model.named_modules() if ".ln_" in name})
         plan["transformer.wpe"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
+        fork_sequence_parallel_dropouts(model, tp_mesh.get_local_rank())
     parallelize_module(model, tp_mesh, plan)
     model.tie_weights()  # parallelize_module gives wte and lm_head separate DTensor Parameters
 
@@ -510,16 +556,15 @@ class TorchTP(TensorParallel):
     vocab-parallel cross-entropy; the DP group averages the local gradients with one all-reduce."""
 
     def __init__(self, config, args, device, state=None):
-        rng = torch.get_rng_state()
         self.args, self.device, self.tp_size = args, device, args.tensor_parallel_size
         self.grid = torch.arange(dist.get_world_size()).view(-1, self.tp_size)
         mesh = init_device_mesh(device.type, tuple(self.grid.shape), mesh_dim_names=("dp", "tp"))
         self.tp_group, self.dp_group = mesh.get_group("tp"), mesh.get_group("dp")
+        self.share_rng(resumed=state is not None)
         self.model = GPT(config, seed=args.seed, device=device)
         if state is not None:
             self.model.load_state_dict(state)
         parallelize_torch(self.model, mesh["tp"], args.sequence_parallel, args.loss_parallel)
-        self.seed_dropout(rng, resumed=state is not None)
 
     def local_piece(self, name, p, full):
         """DTensor: each rank cuts its piece from its own full copy (src_data_rank=None: no communication)."""

@@ -93,7 +93,7 @@ class SavedActivations:
     def _pack(self, t):
         # parameters, and views of them (a Linear saves its weight transposed), are not activations
         if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
-            storage = getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's local shard
+            storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()  # a DTensor's local shard
             self.storages[storage.data_ptr()] = storage.nbytes()
         return t
 

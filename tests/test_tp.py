@@ -1,8 +1,10 @@
 """tp_train.py: each parallel layer equals its unsharded layer (forward and grads, SP off/on), shards
 equal slices of the reference init, the Megatron communication counts, activation memory with SP (in
 the blocks and in the script's summary), the strategy's gradients and clipping norm, the full
-checkpoint, bad input."""
+checkpoint, dropout's streams (own per TP rank in the TP region, shared outside it; resume with dropout bit
+for bit), each rank's shards and rows in the real main() (tests/probe.py), bad input."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -252,7 +254,8 @@ def test_sequence_parallel_saves_activation_memory(unit):
     sizes = unit[0]["activations"]
     print(f"activation bytes per rank saved by 2 blocks (TP=2, 128 wide, batch 4 x 64): SP off {sizes[False]}, "
           f"SP on {sizes[True]}")
-    assert sizes[True] < 0.95 * sizes[False], sizes
+    # SP shards what the LayerNorms save (input, per-row mean and rstd): each saves (B T/2 C + B T) fp32 less
+    assert sizes[False] - sizes[True] == 2 * 2 * (4 * 64 // 2 * 128 + 4 * 64) * 4, sizes
 
 
 def _ckpt(path):
@@ -271,8 +274,17 @@ def runs(tmp_path_factory):
     return out
 
 
+def _loaded(ckpt):
+    """The plain GPT with the checkpoint's state loaded."""
+    model = GPT(GPTConfig(**ckpt["config"]), device="meta")
+    model.load_state_dict(ckpt["model"], assign=True)
+    return model
+
+
 def test_checkpoint_is_the_full_format_and_equals_single_process_training(runs, shared_run):
     reference = _ckpt(shared_run("ddp_train.py", None, TINY + ["--max_iters", "3"])[0] / "ckpt.pt")
+    x, y = get_batch("train", 0, 8, 32, seed=0)
+    ref_logits, ref_loss = _loaded(reference)(x, y)
     for (impl, sp), out in runs.items():
         ckpt = _ckpt(out / "ckpt.pt")
         assert ckpt["step"] == 3 and list(ckpt["model"]) == list(reference["model"])
@@ -282,18 +294,19 @@ def test_checkpoint_is_the_full_format_and_equals_single_process_training(runs, 
         for name, state in reference["optimizer"].items():
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.allclose(ckpt["optimizer"][name][key], state[key], atol=1e-6, rtol=1e-3), (impl, name, key)
-        model = GPT(GPTConfig(**ckpt["config"]), device="meta")
-        model.load_state_dict(ckpt["model"], assign=True)  # loads into the unsharded model
+        logits, loss = _loaded(ckpt)(x, y)  # the plain model computes what the single-process run's does
+        assert (logits - ref_logits).abs().max().item() <= 1e-5 and abs(loss.item() - ref_loss.item()) <= 1e-5, impl
 
 
 def test_the_script_measures_saved_activations_and_sp_shrinks_them(runs):
     """The summary's saved_activation_bytes_per_rank (the first micro-step, activations.first()) in both
-    implementations; SP saves less (the (B, T, V/2) softmax of the loss dominates at this size)."""
+    implementations, equal on the TP ranks; SP saves less by exactly its sharded LayerNorm activations."""
     saved = {key: [r for r in read_metrics(out) if r.get("summary")][-1]["saved_activation_bytes_per_rank"]
              for key, out in runs.items()}
     print(f"saved activation bytes per rank: {saved}")
-    assert all(len(v) == 2 and min(v) > 0 for v in saved.values()), saved
-    assert max(saved["custom", True]) < min(saved["custom", False]), saved
+    assert all(len(v) == 2 and v[0] == v[1] for v in saved.values()), saved
+    B, T, C, L = 8, 32, 64, 2  # TINY's; 2 LayerNorms per block and ln_f, as in the block-level test above
+    assert saved["custom", False][0] - saved["custom", True][0] == (2 * L + 1) * (B * T // 2 * C + B * T) * 4, saved
 
 
 BAD_INPUT = [  # divisibility is checked first, so one process with --tensor_parallel_size 2 shows it cheaply
@@ -309,3 +322,123 @@ BAD_INPUT = [  # divisibility is checked first, so one process with --tensor_par
 @pytest.mark.parametrize("nproc,flags,named", BAD_INPUT, ids=[" ".join(f) + f"-{n or 1}r" for n, f, _ in BAD_INPUT])
 def test_bad_input(nproc, flags, named, tmp_path):
     assert named in the_one_error("tp_train.py", nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags)
+
+
+# ---- dropout: each TP rank its own stream inside the TP region, one shared stream outside it -----
+
+def _paired_heads_state(config):
+    """A full GPT state whose heads H/2.. have the weights of heads 0..: with 2 TP ranks, head h on rank 0 and
+    head h on rank 1 compute the same thing, so their attention outputs are equal exactly when their
+    dropout masks are."""
+    state = GPT(config, seed=0).state_dict()
+    for name in state:
+        if "c_attn" in name:
+            pairs = state[name].unflatten(0, (3, 2, -1))  # [q; k; v] x rank x this rank's rows
+            pairs[:, 1] = pairs[:, 0]
+    return state
+
+
+def _dropout_streams(rank, world_size):
+    from torch.distributed.tensor import DTensor
+    from tp_train import TorchTP
+    config = GPTConfig(**{**CONFIG.__dict__, "dropout": 0.5})
+    x, y = get_batch("train", 0, B, T, seed=0)
+    sdpa, result = F.scaled_dot_product_attention, {}
+    for impl in ("custom", "pytorch"):
+        for sp in (False, True):
+            args = SimpleNamespace(tensor_parallel_size=2, sequence_parallel=sp, loss_parallel=True, seed=0,
+                                   grad_accum_steps=1, dtype="float32")
+            torch.manual_seed(100 + rank)  # unequal, as resume() leaves them from a checkpoint of another world size
+            strategy = (TensorParallel if impl == "custom" else TorchTP)(config, args, torch.device("cpu"),
+                                                                          _paired_heads_state(config))
+            heads, dropouts = [], []
+
+            def recording(*a, **kw):
+                out = sdpa(*a, **kw)
+                heads.append(out.detach().clone())
+                return out
+            F.scaled_dot_product_attention = recording
+            hooks = [m.register_forward_hook(lambda m, i, out: dropouts.append(out.detach().clone()))
+                     for m in strategy.model.modules() if isinstance(m, torch.nn.Dropout)]
+            try:
+                strategy.eval_loss(x, y)
+                eval_heads = list(heads)
+                heads.clear()
+                strategy.forward_backward(x, y, sync=True)
+            finally:
+                F.scaled_dot_product_attention = sdpa
+                for h in hooks:
+                    h.remove()
+            assert not any(isinstance(t, DTensor) for t in heads + dropouts)
+            result[impl, sp] = eval_heads, heads, dropouts[len(dropouts) // 2:]  # the training forward's
+    return result
+
+
+def test_dropout_masks_differ_between_tp_ranks_heads_and_agree_where_activations_are_replicated():
+    """--dropout 0.5 at TP=2. The attention-probability dropout on a rank's own heads (and, with SP, the
+    embedding and residual dropouts on its sequence shard) must draw from the rank's own stream; the
+    embedding and residual dropouts on the activations every TP rank holds whole (no SP) must drop the same
+    units on every rank, or the replicated activations diverge. Built resumed from unequal RNG states."""
+    r0, r1 = spawn(_dropout_streams, 2)
+    for key in r0:
+        (eval0, heads0, drop0), (eval1, heads1, drop1) = r0[key], r1[key]
+        assert len(eval0) == len(heads0) == CONFIG.n_layer and len(drop0) == 1 + 2 * CONFIG.n_layer, key
+        assert all(torch.equal(a, b) for a, b in zip(eval0, eval1)), key  # without dropout, paired heads agree
+        assert all(not torch.equal(a, b) for a, b in zip(heads0, heads1)), key  # a rank's heads: its own masks
+        assert all((a == 0).any() and (b == 0).any() for a, b in zip(drop0, drop1)), key
+        _, sp = key
+        masks_equal = [torch.equal(a == 0, b == 0) for a, b in zip(drop0, drop1)]
+        if sp:  # sequence shards: each rank its own masks
+            assert not any(masks_equal), key
+        else:  # replicated: the same activations, the same masks, the same results on every TP rank
+            assert all(masks_equal) and all(torch.equal(a, b) for a, b in zip(drop0, drop1)), key
+
+
+RESUME_STEPS, RESUME_CUT = 4, 2
+
+
+@pytest.mark.parametrize("impl,sp", [("custom", False), ("custom", True), ("pytorch", False)])
+def test_resume_with_dropout_is_bit_identical(impl, sp, tmp_path):
+    """--dropout 0.5: RESUME_CUT steps, then --resume to RESUME_STEPS, equals the uninterrupted run bit for bit
+    (losses and final state): the checkpoint's RNG states restore the shared and the forked streams. The evals
+    (at the cut, in both the cut and the resumed run) draw nothing."""
+    flags = TINY + ["--dropout", "0.5", "--implementation", impl, "--lr_decay_iters", str(RESUME_STEPS),
+                    "--eval_interval", "2", "--eval_iters", "1"] + (["--sequence_parallel"] if sp else [])
+    for out, steps in (("whole", RESUME_STEPS), ("cut", RESUME_CUT), ("cut", RESUME_STEPS)):
+        resume = ["--resume"] if out == "cut" and steps == RESUME_STEPS else []
+        result = launch("tp_train.py", 2, flags + ["--max_iters", str(steps), "--out_dir", str(tmp_path / out)] + resume,
+                        torchrun=False)
+        assert result.returncode == 0, result.stderr[-3000:]
+    whole, cut = (_ckpt(tmp_path / out / "ckpt.pt") for out in ("whole", "cut"))
+    assert cut["step"] == RESUME_STEPS
+    assert [r["loss"] for r in read_metrics(tmp_path / "cut") if "loss" in r] == \
+        [r["loss"] for r in read_metrics(tmp_path / "whole") if "loss" in r]
+    assert all(torch.equal(cut["model"][name], t) for name, t in whole["model"].items())
+
+
+# Which dimension of each GPT weight TP splits over its ranks (all others: replicated, whole on every rank).
+SHARDED = {"wte.weight": 0, "c_attn.weight": 0, "c_attn.bias": 0, "c_fc.weight": 0, "c_fc.bias": 0,
+           "attn.c_proj.weight": 1, "mlp.c_proj.weight": 1}
+
+
+@pytest.mark.parametrize("implementation", ["custom", "pytorch"])
+def test_a_tp_rank_holds_one_tp_th_of_every_sharded_weight(implementation, tmp_path, monkeypatch):
+    """The real main() on a 2 (DP) x 2 (TP) grid, 2 micro-steps (tests/probe.py): each rank's local parameters
+    are the full shapes with the sharded dimension halved, the replicated ones whole, and each training
+    forward sees B / D / A rows."""
+    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "probe"))
+    result = launch("tests/probe.py", 4, ["tp_train.py", *TINY, "--max_iters", "2", "--grad_accum_steps", "2",
+                                          "--tensor_parallel_size", "2", "--implementation", implementation,
+                                          "--out_dir", str(tmp_path)], torchrun=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / "probe" / f"rank{r}.json").read_text()) for r in range(4)]
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32)  # TINY's
+    full = {n: list(p.shape) for n, p in GPT(config, device="meta").named_parameters()}
+    expected = {}
+    for name, shape in full.items():
+        dim = next((d for suffix, d in SHARDED.items() if name.endswith(suffix)), None)
+        expected[name] = shape if dim is None else [s // 2 if d == dim else s for d, s in enumerate(shape)]
+    assert sum(expected[n] != full[n] for n in full) == 1 + 6 * config.n_layer
+    for r in ranks:
+        assert r["params"] == expected, r["rank"]
+        assert r["train_rows"] == [8 // 2 // 2] * 2 * 2, r["rank"]
