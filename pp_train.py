@@ -288,6 +288,8 @@ def check_pp_args(args, world_size):
     pp_size = world_size  # one stage (V chunks) per rank; every rank runs every row: no data parallelism
     if args.virtual_stages is not None and args.schedule != "interleaved":
         die(f"--virtual_stages: only with --schedule interleaved (got --schedule {args.schedule})")
+    if args.print_schedule and args.implementation != "custom":  # torch's schedules keep no timeline to print
+        die("--print_schedule: true is only supported by --implementation custom")
     V = args.virtual_stages = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
     if V <= 0 or args.n_microbatches <= 0:
         die(f"--{'virtual_stages' if V <= 0 else 'n_microbatches'}: must be > 0")

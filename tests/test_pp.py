@@ -419,6 +419,7 @@ BAD_INPUT = [
     (2, ["--n_microbatches", "3"], "--n_microbatches"),  # 8 rows
     (None, ["--virtual_stages", "2"], "--virtual_stages"),
     (None, ["--schedule", "bogus"], "--schedule"),
+    (None, ["--print_schedule", "--implementation", "pytorch"], "--print_schedule: true is only supported by"),
 ]
 
 
