@@ -389,17 +389,6 @@ def test_ranks_owning_nothing_warn_and_still_train(tmp_path):
     assert all(torch.equal(again["optimizer"][n][k], v) for n, s in ckpt["optimizer"].items() for k, v in s.items())
 
 
-@pytest.mark.parametrize("implementation", ["custom", "pytorch"])
-def test_bf16_trains_at_two_ranks(implementation, shared_run):
-    flags = TINY + ["--max_iters", "3"]
-    fp32 = step_losses(shared_run("zero3_train.py", 2, flags)[0])  # custom's: pytorch's equals it (test_parity)
-    bf16 = step_losses(shared_run("zero3_train.py", 2, flags + ["--implementation", implementation,
-                                                                "--dtype", "bfloat16"])[0])
-    # bf16 rounds each weight and activation by up to 2^-9 relative; averaged over the batch's 8 x 32 tokens the
-    # loss (10.83) moved by 3e-5 here, the same for both implementations: 1e-3 leaves 30x that
-    assert len(bf16) == 3 and max(abs(a - b) for a, b in zip(fp32, bf16)) <= 1e-3, (fp32, bf16)
-
-
 BAD_INPUT = [(["--prefetch", "false"], "--prefetch: false"),
              (["--persistence_threshold", "1000"], "--persistence_threshold: 1000"),
              (["--max_reuse_distance", "0"], "--max_reuse_distance: 0")]
