@@ -22,7 +22,8 @@ if [ ! -f data/shakespeare/input.txt ] && [ -f ../shared/data/tinyshakespeare/in
   mkdir -p data/shakespeare && cp ../shared/data/tinyshakespeare/input.txt data/shakespeare/input.txt
 fi
 
-SCRIPTS=$(for s in ddp fsdp zero3 tp pp; do [ -f "${s}_train.py" ] && echo "$s"; done)
+SCRIPTS=$(for s in ddp fsdp zero3 tp pp cp; do [ -f "${s}_train.py" ] && echo "$s"; done)
+CUDA=$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))")
 RUNS=runs/$MODE
 rm -rf "$RUNS" && mkdir -p "$RUNS"
 COMMON="--eval_interval 0 --tensorboard false --log_interval 10"
@@ -49,6 +50,7 @@ run() {  # run NAME NPROC SCRIPT FLAGS...: one training run into $RUNS/NAME
 run_strategies() {  # run_strategies SUFFIX: every script present, custom then pytorch
   for s in $SCRIPTS; do
     for impl in custom pytorch; do
+      [ "$s-$impl" = cp-pytorch ] && [ "$CUDA" = 0 ] && continue  # torch's context_parallel: CUDA SDPA kernels only
       run "$s-$impl$1" "$NPROC" "${s}_train.py" $FLAGS --implementation $impl
     done
   done
@@ -66,7 +68,8 @@ else
   # Each strategy's own claims, one run each (runs/bench-extra): FSDP's exposed communication with
   # prefetch on and off; ZeRO-3's broadcast/reduce waits per rank (wte kept or not, prefetch off);
   # TP with SP and 2D at 4 ranks; the pipeline bubble, compute per stage and activation memory per
-  # schedule and micro-batch count.
+  # schedule and micro-batch count; CP's modes at a block of 1024 (where attention matters) against one
+  # process on every core, ring with and without zigzag, and the saved activations of one process.
   RUNS=runs/bench-extra && rm -rf "$RUNS" && mkdir -p "$RUNS"
   extra() { [ -f "$3" ] && run "$@"; }
   extra fsdp-custom-prefetch "$NPROC" fsdp_train.py $FLAGS --prefetch true
@@ -83,6 +86,15 @@ else
       extra pp-custom-$schedule-m$m 2 pp_train.py $FLAGS --schedule $schedule --n_microbatches $m --print_schedule
     done
   done
+  CP="--block_size 1024 --batch_size 2 --max_iters 10 --warmup_iters 2"  # about 2 s a step here
+  if [ -f cp_train.py ]; then
+    extra cp-limit-1proc-T1024 1 ddp_train.py $FLAGS $CP
+    extra cp-custom-1proc-T1024 1 cp_train.py $FLAGS $CP  # saved activations of one process, same meter
+    for mode in ring allgather ulysses; do
+      extra cp-custom-$mode-T1024 "$NPROC" cp_train.py $FLAGS $CP --cp_mode $mode
+    done
+    extra cp-custom-ring-contiguous-T1024 "$NPROC" cp_train.py $FLAGS $CP --load_balance false
+  fi
 fi
 echo
 "$PYTHON" -m common.report "$MODE" runs/$MODE

@@ -109,21 +109,22 @@ EXTRA_KEYS = {  # summary key -> (column, format)
     "compute_ms_per_rank": ("F+B ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
     "broadcast_wait_ms_per_rank": ("broadcast wait ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
     "reduce_wait_ms_per_rank": ("reduce wait ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
+    "attention_ms_per_rank": ("attention ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
 }
 
 
 def extra(runs_dir):
     failed = []
-    print(f"{'run':<28} {'tokens/s':>10} {'peak MiB/rank':>14}  strategy-specific")
+    print(f"{'run':<32} {'tokens/s':>10} {'peak MiB/rank':>14}  strategy-specific")
     for name in sorted(os.listdir(runs_dir)):
         run = load(os.path.join(runs_dir, name))
         if not run["ok"]:
             failed.append(name)
-            print(f"{name:<28} FAILED (exit {run['exit_code']})")
+            print(f"{name:<32} FAILED (exit {run['exit_code']})")
             continue
         s = run["summary"]
         details = ", ".join(f"{col} {fmt(s[key])}" for key, (col, fmt) in EXTRA_KEYS.items() if key in s)
-        print(f"{name:<28} {s['tokens_per_sec']:>10,.0f} {mib(max(s['peak_mem_bytes_per_rank'])):>14}  {details}")
+        print(f"{name:<32} {s['tokens_per_sec']:>10,.0f} {mib(max(s['peak_mem_bytes_per_rank'])):>14}  {details}")
     if failed:
         print("FAILED: " + ", ".join(failed))
         return 1

@@ -10,7 +10,7 @@ DTensor's local shard). The torch.distributed collectives are wrapped to count c
 exit it writes <dir>/rank<RANK>.json:
     {"rank", "world_size", "train_rows": [rows per training forward], "eval_rows": [...], "train_x": [token ids],
      "digests": [sha256 per training forward], "params": {name: local shape},
-     "collectives": {"all_reduce:torch.float32": calls, ...}}
+     "collectives": {"all_reduce:torch.float32": calls, ..., "batch_isend_irecv:torch.float32": ops}}
 """
 import atexit
 import collections
@@ -74,6 +74,15 @@ torch.nn.modules.module.register_module_forward_pre_hook(hook)
 for name in ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
              "reduce_scatter_single", "broadcast", "reduce", "send", "recv", "all_to_all_single"):
     setattr(torch.distributed, name, counted(name, getattr(torch.distributed, name)))
+_batch_isend_irecv = torch.distributed.batch_isend_irecv
+
+
+def batch_isend_irecv(ops):  # one count per send or receive in the batch
+    record["collectives"].update(f"batch_isend_irecv:{op.tensor.dtype}" for op in ops)
+    return _batch_isend_irecv(ops)
+
+
+torch.distributed.batch_isend_irecv = batch_isend_irecv
 atexit.register(write)
 script = sys.argv[1]
 sys.argv = sys.argv[1:]

@@ -1,6 +1,6 @@
 """--dtype bfloat16 for every script, custom and pytorch, at 2 ranks: the loss tracks the fp32
 single-process reference, and the custom strategies move what they say in bf16 (fsdp's all-gather of
-parameters, zero3's broadcast of parameters, tp's all-reduce of activations), with gradients reduced
+parameters, zero3's broadcast of parameters, tp's all-reduce of activations, cp's ring of K/V), with gradients reduced
 in fp32 everywhere.
 
 Tolerance. bf16 keeps 8 significant bits, a relative rounding of 2^-9 = 0.2% per value. The weights,
@@ -21,17 +21,17 @@ from conftest import PARITY, PARITY_STEPS, launch, step_losses
 
 FLAGS = PARITY + ["--max_iters", str(PARITY_STEPS)]
 TOL = 5e-3
-SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py"]
+RUNS = [(s, i) for s in ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py"]
+        for i in ("custom", "pytorch")] + [("cp_train.py", "custom")]  # cp's pytorch: CUDA only
 # What each custom strategy must send in bf16: "collective:dtype" keys of tests/probe.py's counts.
 BF16_TRAFFIC = {"fsdp_train.py": "all_gather_single:torch.bfloat16", "zero3_train.py": "broadcast:torch.bfloat16",
-                "tp_train.py": "all_reduce:torch.bfloat16"}
+                "tp_train.py": "all_reduce:torch.bfloat16", "cp_train.py": "batch_isend_irecv:torch.bfloat16"}  # ring's K/V
 # Gradients are reduced in fp32 by every script (no bf16 rounding of a sum over ranks).
 FP32_GRADIENTS = {"ddp_train.py": "all_reduce:torch.float32", "fsdp_train.py": "reduce_scatter_single:torch.float32",
-                  "zero3_train.py": "reduce:torch.float32"}
+                  "zero3_train.py": "reduce:torch.float32", "cp_train.py": "all_reduce:torch.float32"}
 
 
-@pytest.mark.parametrize("implementation", ["custom", "pytorch"])
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script,implementation", RUNS, ids=[f"{s[:-9]}-{i}" for s, i in RUNS])
 def test_bf16_tracks_fp32_and_sends_bf16(script, implementation, shared_run, tmp_path, monkeypatch):
     reference = step_losses(shared_run("ddp_train.py", None, FLAGS)[0])
     monkeypatch.setenv("PROBE_OUT", str(tmp_path / "probe"))

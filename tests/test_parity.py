@@ -25,6 +25,13 @@ TOL = 1e-5  # fp32 on CPU; the largest |dloss| measured here is printed by each 
 # One row per (script, implementation, ranks, extra flags). Later strategies add their rows here.
 # Extra flags in MODEL_FLAGS also go to the reference and the plain loop (see below).
 STRATEGIES = [
+    # cp (--implementation pytorch needs CUDA): every mode at cp=2, ring with zigzag (default) and contiguous;
+    # allgather at block 24 (T/cp = 12, zigzag chunks of 6: not powers of two); DP 2 x CP 2 with 2 micro-steps
+    ("cp_train.py", "custom", 2, []),
+    ("cp_train.py", "custom", 2, ["--load_balance", "false"]),
+    ("cp_train.py", "custom", 2, ["--cp_mode", "allgather", "--block_size", "24"]),
+    ("cp_train.py", "custom", 2, ["--cp_mode", "ulysses"]),
+    ("cp_train.py", "custom", 4, ["--context_parallel_size", "2", "--grad_accum_steps", "2"]),
     # pp: every schedule custom + pytorch at 2 stages (interleaved: 2 x 2 chunks of 1 layer), 1F1B at 4 stages
     ("pp_train.py", "custom", 2, ["--schedule", "gpipe"]),
     ("pp_train.py", "pytorch", 2, ["--schedule", "gpipe"]),
@@ -62,10 +69,10 @@ STRATEGIES = [
 
 
 def plain_pytorch_losses(steps=STEPS, lr_max=1e-3, lr_min=1e-4, warmup=5, seed=1337,
-                         n_layer=2, n_head=4, n_embd=64, batch_size=8):
+                         n_layer=2, n_head=4, n_embd=64, batch_size=8, block_size=32):
     """The textbook loop, independent of every strategy script and of common.config."""
     torch.set_num_threads(2)
-    config = GPTConfig(block_size=32, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+    config = GPTConfig(block_size=block_size, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                        dropout=0.0, bias=True)
     model = GPT(config, seed=seed)
     params = list(model.parameters())
@@ -80,7 +87,7 @@ def plain_pytorch_losses(steps=STEPS, lr_max=1e-3, lr_min=1e-4, warmup=5, seed=1
             lr = lr_min + 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup))) * (lr_max - lr_min)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = get_batch("train", step, batch_size, 32, seed)
+        x, y = get_batch("train", step, batch_size, block_size, seed)
         _, loss = model(x, y)
         loss.backward()
         norm = torch.stack([(p.grad * p.grad).sum() for p in params]).sum().sqrt()
@@ -95,7 +102,7 @@ def plain_pytorch_losses(steps=STEPS, lr_max=1e-3, lr_min=1e-4, warmup=5, seed=1
 # Flags a row may add that change the model or batch (e.g. more layers for 4 pipeline stages): the
 # reference and the plain loop are then run with the same values. Anything else a row adds must not
 # change the math (strategy flags, --grad_accum_steps).
-MODEL_FLAGS = ("--n_layer", "--n_head", "--n_embd", "--batch_size")
+MODEL_FLAGS = ("--n_layer", "--n_head", "--n_embd", "--batch_size", "--block_size")
 
 
 def model_flags(extra):

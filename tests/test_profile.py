@@ -10,7 +10,7 @@ import pytest
 
 from conftest import TINY, launch
 
-SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py"]
+SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py"]
 
 
 def trace_events(path):

@@ -24,7 +24,8 @@ import torch
 
 from conftest import PARITY, PARITY_STEPS, REPO, free_port, launch, read_metrics, step_losses, the_one_error
 
-SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py"]
+SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py"]
+TORCH_ON_CPU = SCRIPTS[:5]  # cp's PyTorch implementation needs CUDA SDPA kernels (tests/test_cp.py)
 # The parity config (so that the uninterrupted runs and the reference are test_parity.py's own runs,
 # shared through the shared_run fixture). --lr_decay_iters pins the schedule, so a run with fewer
 # --max_iters is a prefix of the longer one.
@@ -79,7 +80,7 @@ def test_resume_is_bit_identical(script, shared_run, tmp_path):
     assert _cut_and_resume(shared_run, script, "custom", tmp_path) == uninterrupted(shared_run, script, 2)
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", TORCH_ON_CPU)
 def test_pytorch_implementation_resumes(script, shared_run, reference, tmp_path):
     """PyTorch's implementation resumes through the same code; it equals the single-process
     reference within the parity tolerance (bit-identity to itself is checked for custom above)."""
@@ -88,8 +89,8 @@ def test_pytorch_implementation_resumes(script, shared_run, reference, tmp_path)
 
 
 @pytest.mark.parametrize("first,second", [("fsdp_train.py", "tp_train.py"), ("ddp_train.py", "pp_train.py"),
-                                          ("zero3_train.py", "fsdp_train.py"), ("tp_train.py", "zero3_train.py"),
-                                          ("pp_train.py", "ddp_train.py")])
+                                          ("zero3_train.py", "cp_train.py"), ("tp_train.py", "zero3_train.py"),
+                                          ("pp_train.py", "ddp_train.py"), ("cp_train.py", "fsdp_train.py")])
 def test_cross_strategy_resume_matches_the_reference(first, second, shared_run, reference, tmp_path):
     cut_run(shared_run, first, "custom", tmp_path)  # the same run test_resume_is_bit_identical continues
     run(second, 2, ["--max_iters", str(STEPS), "--resume"], tmp_path)
@@ -309,6 +310,7 @@ BAD = [  # (script, flags, nproc (None: one process), the flag the error must na
     ("tp_train.py", ["--timeout_s", "0"], None, "--timeout_s"),
     ("pp_train.py", ["--batch_size", "6", "--n_microbatches", "4"], 2, "--batch_size"),
     ("pp_train.py", ["--n_layer", "2"], 4, "--n_layer"),
+    ("cp_train.py", ["--context_parallel_size", "3"], 2, "--context_parallel_size"),
 ]
 
 
