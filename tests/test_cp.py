@@ -180,7 +180,6 @@ BAD_INPUT = [  # checked before any process group exists: fast even at 2 and 4 r
     (2, ["--cp_mode", "ulysses", "--load_balance", "true"], "--load_balance"),
     (None, ["--context_parallel_size", "2"], "--context_parallel_size"),
     (2, ["--dropout", "0.1"], "--dropout"),
-    (4, ["--context_parallel_size", "2", "--batch_size", "6", "--grad_accum_steps", "2"], "--batch_size"),
 ]
 
 
