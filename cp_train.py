@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from common.checkpoint import checkpoint, optimizer_state_by_name, resume, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
+from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown, uses_cuda
 from common.metrics import Metrics, Profiler, activations, model_state_bytes, timers
 from common.model import GPT, CausalSelfAttention, configure_optimizer, materialize_, num_params
 
@@ -413,9 +413,8 @@ def add_cp_flags(group):
 def check_cp_args(args, world_size):
     """Bad input ends every rank with one line, before anything is built. Fills in context_parallel_size
     and load_balance; returns D = world size / cp."""
-    cp, T, cuda = args.context_parallel_size or world_size, args.block_size, args.device == "cuda" or (
-        args.device == "auto" and torch.cuda.is_available())
-    if args.implementation == "pytorch" and not cuda:
+    cp, T = args.context_parallel_size or world_size, args.block_size
+    if args.implementation == "pytorch" and not uses_cuda(args):
         die("--implementation: pytorch's context_parallel needs CUDA SDPA kernels (flash/efficient/cudnn); "
             "on CPU use --implementation custom")
     if args.implementation == "pytorch" and args.cp_mode == "ulysses":

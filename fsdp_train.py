@@ -34,10 +34,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from common.checkpoint import checkpoint as full_checkpoint, resume as full_resume, save_atomic, set_adamw_state
+from common.checkpoint import checkpoint as full_checkpoint, config_mismatch, load, resume as full_resume, save_atomic, \
+    set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
+from common.distributed import autocast, clip_grad_norm_, die_on_any, setup, setup_data, teardown
 from common.metrics import Metrics, Profiler, model_state_bytes, timers
 from common.model import GPT, configure_optimizer, init_tensor, num_params
 
@@ -340,10 +341,8 @@ def checkpoint(step, model, optimizer, config, args):
 
 def load_file(path):
     """(what torch saved at path, None), or (None, why it cannot be read: missing, truncated, not torch's)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True), None
-    except Exception as e:
-        return None, f"{path} cannot be read ({type(e).__name__})"
+    saved, e = load(path)
+    return saved, e and f"{path} cannot be read ({type(e).__name__})"
 
 
 def sharded_file(path, rank):
@@ -360,9 +359,10 @@ def check_sharded(args, rank, world_size):
         return f"--resume_sharded: {error or f'{path}/manifest.pt is not a sharded checkpoint manifest'}"
     if manifest["world_size"] != world_size:
         return f"--resume_sharded: {path} was written by {manifest['world_size']} ranks, this run has {world_size}"
-    for key, value in gpt_config(args).__dict__.items():
-        if key != "dropout" and manifest.get(key) != value:  # dropout may change on resume, as in --resume
-            return f"--resume_sharded: {path} was saved with {key}={manifest.get(key)}, this run has --{key} {value}"
+    mismatch = config_mismatch(manifest, args)  # every GPTConfig field but dropout, as --resume checks
+    if mismatch is not None:
+        key, saved, value = mismatch
+        return f"--resume_sharded: {path} was saved with {key}={saved}, this run has --{key} {value}"
     if manifest["step"] > args.max_iters:
         return f"--resume_sharded: {path} is at step {manifest['step']}, past --max_iters {args.max_iters}"
     file = os.path.join(path, manifest["folder"], f"rank{rank}.pt")
@@ -381,10 +381,7 @@ def resume(args):
     rank has checked its own file: the verdicts are gathered, so a bad one ends all ranks with one line."""
     ckpt = full_resume(args)
     if args.resume_sharded:
-        verdicts = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, check_sharded(args, dist.get_rank(), dist.get_world_size()))
-        if any(verdicts):
-            die(next(v for v in verdicts if v))
+        die_on_any(check_sharded(args, dist.get_rank(), dist.get_world_size()))
         manifest = load_file(os.path.join(args.resume_sharded, "manifest.pt"))[0]
         ckpt = dict(ckpt or dict(model=None, optimizer=None), step=manifest["step"])
     return ckpt

@@ -63,13 +63,29 @@ def checkpoint(step, model, optimizer, config, args):
     save_checkpoint(model_state, optimizer_state, step, config, args)
 
 
+def load(path):
+    """(what torch saved at path, None), or (None, the exception torch.load raised: missing, truncated, not torch's)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True), None
+    except Exception as e:
+        return None, e
+
+
+def config_mismatch(saved, args):
+    """(field, saved value, this run's value) of the first GPTConfig field that a checkpoint's `saved` dict
+    holds differently from this run's flags, or None. dropout may change on resume, as in nanoGPT."""
+    for key, value in gpt_config(args).__dict__.items():
+        if key != "dropout" and saved.get(key) != value:
+            return key, saved.get(key), value
+    return None
+
+
 def read(path, flag="--resume"):
     """(checkpoint, None), or (None, the one-line reason it cannot be used)."""
     if not os.path.exists(path):
         return None, f"{flag}: no checkpoint at {path}"
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:
+    ckpt, e = load(path)
+    if e is not None:
         return None, f"{flag}: {path} is truncated or corrupt ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
     if not isinstance(ckpt, dict) or not {"model", "optimizer", "step", "config"} <= set(ckpt):
         return None, f"{flag}: {path} is not a nanodist full checkpoint (needs model, optimizer, step, config)"
@@ -111,10 +127,10 @@ def _check(path, args):
     ckpt, error = read(path)
     if error is not None:
         return error
-    want = gpt_config(args).__dict__
-    for key, value in ckpt["config"].items():
-        if key != "dropout" and want.get(key) != value:  # dropout may change on resume, as in nanoGPT
-            return f"--{key}: the checkpoint {path} has {key}={value}, this run has {want.get(key)}"
+    mismatch = config_mismatch(ckpt["config"], args)
+    if mismatch is not None:
+        key, saved, value = mismatch
+        return f"--{key}: the checkpoint {path} has {key}={saved}, this run has {value}"
     if ckpt["step"] > args.max_iters:
         return f"--max_iters: the checkpoint {path} is at step {ckpt['step']}, past --max_iters {args.max_iters}"
     return None

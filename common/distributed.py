@@ -25,10 +25,15 @@ from common import data
 from common.config import die
 
 
+def uses_cuda(args):
+    """Whether this run computes on CUDA (nccl): --device cuda, or auto with a GPU present."""
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+
+
 def setup(args):
     """Returns (rank, world_size, device) after init_process_group. On CPU each rank gets
     OMP_NUM_THREADS, or cores / local ranks, intra-op threads, so N ranks on one machine share its cores."""
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    use_cuda = uses_cuda(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         die("--device: cuda was asked for but torch.cuda.is_available() is False")
     torchrun = "RANK" in os.environ
@@ -130,12 +135,19 @@ def setup_data(args):
         if verdict is not None and dist.get_world_size() > int(os.environ.get("LOCAL_WORLD_SIZE", 1)):
             verdict += f" (on node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
     group = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT)
-    verdicts = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, verdict, group=group)
+    die_on_any(verdict, group)
     dist.destroy_process_group(group)
+
+
+def die_on_any(verdict, group=None):
+    """Collective: every rank passes its verdict (None, or an error line); if any rank has an error, every
+    rank exits with the first one (rank 0 prints it), so a check that only some ranks can make (a node's
+    data, a rank's own file) still ends the job with one line and no rank waiting."""
+    verdicts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(verdicts, verdict, group=group)
     error = next((v for v in verdicts if v is not None), None)
     if error is not None:
-        die(error)
+        die(error)  # destroys every process group, this one included
 
 
 def clip_grad_norm_(sharded, replicated, max_norm, group=None):

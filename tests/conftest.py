@@ -108,6 +108,18 @@ def the_one_error(script, nproc, args):
     return errors[0]
 
 
+def probe(script, nproc, args, tmp_path):
+    """Runs the script's real main() under tests/probe.py on nproc ranks (torchrun=False, as the numeric tests
+    do); returns each rank's record (see tests/probe.py) by rank."""
+    os.environ["PROBE_OUT"] = str(tmp_path / "probe")
+    try:
+        result = launch("tests/probe.py", nproc, [script, *args], torchrun=False)
+    finally:
+        del os.environ["PROBE_OUT"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((tmp_path / "probe" / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
 def read_metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

@@ -13,11 +13,9 @@ wrong strategy does: the loss falls by 0.17 a step on average here, so a step tr
 rows, shards or learning rate moves it by 1e-2 or more. What the loss cannot show (a sum of
 gradients over ranks rounded to bf16 would differ by about 1e-4 at 2 ranks) the collective counts do.
 """
-import json
-
 import pytest
 
-from conftest import PARITY, PARITY_STEPS, launch, step_losses
+from conftest import PARITY, PARITY_STEPS, probe, step_losses
 
 FLAGS = PARITY + ["--max_iters", str(PARITY_STEPS)]
 TOL = 5e-3
@@ -33,17 +31,14 @@ FP32_GRADIENTS = {"ddp_train.py": "all_reduce:torch.float32", "fsdp_train.py": "
 
 
 @pytest.mark.parametrize("script,implementation", RUNS, ids=[f"{s[:-9]}-{i}" for s, i in RUNS])
-def test_bf16_tracks_fp32_and_sends_bf16(script, implementation, shared_run, tmp_path, monkeypatch):
+def test_bf16_tracks_fp32_and_sends_bf16(script, implementation, shared_run, tmp_path):
     reference = step_losses(shared_run("ddp_train.py", None, FLAGS)[0])
-    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "probe"))
-    result = launch("tests/probe.py", 2, [script, *FLAGS, "--dtype", "bfloat16", "--implementation", implementation,
-                                          "--out_dir", str(tmp_path)], torchrun=False)
-    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = probe(script, 2, [*FLAGS, "--dtype", "bfloat16", "--implementation", implementation,
+                              "--out_dir", str(tmp_path)], tmp_path)
     losses = step_losses(tmp_path)
     delta = max(abs(a - b) for a, b in zip(losses, reference))
     print(f"{script} {implementation} bf16: max |loss - fp32 reference| over {len(losses)} steps = {delta:.4f}")
     assert len(losses) == PARITY_STEPS and delta <= TOL
-    ranks = [json.loads((tmp_path / "probe" / f"rank{r}.json").read_text()) for r in range(2)]
     sent = [r["collectives"] for r in ranks]
     if implementation == "custom" and script in BF16_TRAFFIC:
         assert all(s.get(BF16_TRAFFIC[script], 0) > 0 for s in sent), sent

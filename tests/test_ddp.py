@@ -1,6 +1,5 @@
 """ddp_train.py: buckets, overlap bookkeeping, no_sync, equality with torch DDP, the single-process contract.
 (Bad input for every script: tests/test_reliability.py.)"""
-import json
 from contextlib import nullcontext
 
 import pytest
@@ -8,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from conftest import TINY, launch, read_metrics, spawn
+from conftest import TINY, launch, probe, read_metrics, spawn
 from common.data import get_batch
 from common.model import GPT, GPTConfig
 from ddp_train import GradientBuckets
@@ -241,15 +240,12 @@ def test_single_process_run_writes_the_contract(tmp_path):
 
 
 @pytest.mark.parametrize("implementation", ["custom", "pytorch"])
-def test_each_rank_trains_its_own_rows_on_a_bit_identical_replica(implementation, tmp_path, monkeypatch):
+def test_each_rank_trains_its_own_rows_on_a_bit_identical_replica(implementation, tmp_path):
     """The real main() at 2 ranks, 2 micro-steps (tests/probe.py): the micro-steps of rank r are rows
     [r B/N, (r+1) B/N) of the global batch, B / N / A rows each, and before every forward the two
     replicas are bit-identical."""
-    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "probe"))
-    result = launch("tests/probe.py", 2, ["ddp_train.py", *TINY, "--max_iters", "3", "--grad_accum_steps", "2",
-                                          "--implementation", implementation, "--out_dir", str(tmp_path)], torchrun=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / "probe" / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = probe("ddp_train.py", 2, [*TINY, "--max_iters", "3", "--grad_accum_steps", "2",
+                                      "--implementation", implementation, "--out_dir", str(tmp_path)], tmp_path)
     assert [r["train_rows"] for r in ranks] == [[8 // 2 // 2] * 3 * 2] * 2
     for step in range(3):
         x, _ = get_batch("train", step, 8, 32, 1337)

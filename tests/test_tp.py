@@ -4,7 +4,6 @@ the blocks and in the script's summary), the strategy's gradients and clipping n
 checkpoint, dropout's streams (own per TP rank in the TP region, shared outside it; resume with dropout bit
 for bit), each rank's shards and rows in the real main() (tests/probe.py), bad input."""
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import TINY, launch, read_metrics, spawn, the_one_error
+from conftest import TINY, launch, probe, read_metrics, spawn, the_one_error
 from common.data import get_batch
 from common.model import GPT, GPTConfig
 from common.metrics import SavedActivations
@@ -422,16 +421,12 @@ SHARDED = {"wte.weight": 0, "c_attn.weight": 0, "c_attn.bias": 0, "c_fc.weight":
 
 
 @pytest.mark.parametrize("implementation", ["custom", "pytorch"])
-def test_a_tp_rank_holds_one_tp_th_of_every_sharded_weight(implementation, tmp_path, monkeypatch):
+def test_a_tp_rank_holds_one_tp_th_of_every_sharded_weight(implementation, tmp_path):
     """The real main() on a 2 (DP) x 2 (TP) grid, 2 micro-steps (tests/probe.py): each rank's local parameters
     are the full shapes with the sharded dimension halved, the replicated ones whole, and each training
     forward sees B / D / A rows."""
-    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "probe"))
-    result = launch("tests/probe.py", 4, ["tp_train.py", *TINY, "--max_iters", "2", "--grad_accum_steps", "2",
-                                          "--tensor_parallel_size", "2", "--implementation", implementation,
-                                          "--out_dir", str(tmp_path)], torchrun=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / "probe" / f"rank{r}.json").read_text()) for r in range(4)]
+    ranks = probe("tp_train.py", 4, [*TINY, "--max_iters", "2", "--grad_accum_steps", "2", "--tensor_parallel_size", "2",
+                                     "--implementation", implementation, "--out_dir", str(tmp_path)], tmp_path)
     config = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32)  # TINY's
     full = {n: list(p.shape) for n, p in GPT(config, device="meta").named_parameters()}
     expected = {}
