@@ -9,6 +9,7 @@ import argparse
 import math
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -20,14 +21,23 @@ def is_rank0():
     return os.environ.get("RANK", "0") == "0"
 
 
+DIE_GRACE_S = 10  # how long the other ranks give rank 0 to print the error line (see die)
+
+
 def die(message):
     """One clear error line from rank 0, a non-zero exit on every rank. Call it on all ranks
     (checks are deterministic), so no rank is left waiting in a collective; the process group, if
-    there is one yet, is destroyed before the exit (see common.distributed.teardown)."""
+    there is one yet, is destroyed before the exit (see common.distributed.teardown).
+    The other ranks exit only after DIE_GRACE_S: torchrun stops the whole job at the first rank that
+    fails, so a rank that exited first would get rank 0 killed before it printed (under load it did).
+    Rank 0 exits at once and torchrun then ends the others: the grace only bounds a rank 0 that never
+    gets here."""
     if is_rank0():
         print(f"error: {message}", file=sys.stderr, flush=True)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    if not is_rank0():
+        time.sleep(DIE_GRACE_S)
     sys.exit(2)
 
 

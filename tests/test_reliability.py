@@ -255,6 +255,16 @@ def test_device_auto_with_more_local_ranks_than_gpus_is_one_clear_error(tmp_path
         "run at most 1 per node (--nproc_per_node), or pass --device cpu")
 
 
+def test_a_slow_rank_0_still_prints_the_error_line(tmp_path, monkeypatch):
+    """Bad input on 2 ranks where rank 0 starts 3 s late (as under load): rank 1 reaches the check first,
+    and torchrun stops the job at the first rank that exits; the error line must still come out."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '0': time.sleep(3)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert the_one_error("ddp_train.py", 2, ["--batch_size", "0", "--out_dir", str(tmp_path / "out")]).startswith(
+        "error: --batch_size")
+
+
 def test_identical_runs_give_identical_losses(tmp_path):
     run("tp_train.py", 2, ["--max_iters", "5", "--dropout", "0.1"], tmp_path / "a")
     run("tp_train.py", 2, ["--max_iters", "5", "--dropout", "0.1"], tmp_path / "b")
