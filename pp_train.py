@@ -1,8 +1,9 @@
 """PP: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B), written by hand with send/recv.
 
-The n_layer blocks are cut into n_stages = pp_size * V equal stages, V ("virtual stages", chunks) per rank:
-rank r runs stages r, r + pp_size, ...; the first also holds wte/wpe, the last ln_f and lm_head. Every rank
-sees every row (no data parallelism): each micro-step's `micro` rows are cut into M micro-batches.
+The n_layer blocks are cut into n_stages = pp_size * V stages, V ("virtual stages", chunks) per rank: rank r runs
+stages r, r + pp_size, ...; equal ones, or --stage_layers 3,1 (blocks per stage); the first also holds wte/wpe, the
+last ln_f and lm_head. Every rank sees every row (no data parallelism): each micro-step's `micro` rows are cut into
+M micro-batches.
   memory per rank:  about 16P/pp_size (fp32 params + grads + AdamW), plus a copy of the tied wte (lm_head) on
                     the last rank; activations of the micro-batches between their F and B.
   communication:    each micro-batch's activation (micro/M x T x C fp32) goes to the next stage and its gradient
@@ -14,6 +15,17 @@ The schedule orders each rank's forwards (F) and backwards (B). With equal stage
   1f1b         pp_size-r-1 warm-up forwards, then one F one B: at most pp_size micro-batches live, whatever M is.
   interleaved  1F1B over V chunks per rank (Megatron): a bubble of (pp_size-1)/(V*M+pp_size-1), for V times more
                messages.
+The head and loss (2*vocab*C FLOPs a token) make the last stage the slowest unless n_layer >= vocab/(12C) blocks
+can balance them. --vocab_parallel (Yeung et al. 2024, "Balancing Pipeline Parallelism with Vocabulary
+Parallelism") splits them over all p ranks instead: rank r holds lm_head rows [r*vocab/p, (r+1)*vocab/p), a copy of
+wte's rows (wte stays on the first stage; 16*vocab*C/p bytes with AdamW), and every micro-batch gets one more
+action on every rank, its vocabulary pass V: the last stage's ln_f output is broadcast (4*micro/M*T*C bytes), each
+rank computes its logits and its part of the softmax, two all-reduces (micro/M*T numbers: the max; 2x that: the
+sum of exp and the target's logit) give every rank the loss, and the ranks' parts of its gradient d(loss)/dh are
+reduced onto the last rank (4*micro/M*T*C bytes), whose B goes on from there: per micro-batch one broadcast, two
+all-reduces and one reduce; the tied gradient is summed by rank 0 with each rank's rows (4*vocab*C/p bytes each).
+In 1f1b a rank d stages before the last warms up 2d forwards (so 2d+1 micro-batches live) and then runs V(k),
+F(k+d), B(k-d) in the time the last runs F(k), V(k), B(k): no rank waits for the vocabulary passes' collectives.
 
 Run:
   python pp_train.py                                   # single process: one stage, the reference
@@ -48,26 +60,30 @@ WTE = "transformer.wte.weight"  # lm_head.weight is tied to it: the last stage h
 
 class Stage(nn.Module):
     """Global stage `index` of `n_stages`: its blocks (named as in GPT, e.g. transformer.h.2, so checkpoints and
-    optimizer state keep GPT's names), plus wte/wpe on the first stage and ln_f/lm_head on the last. Only these
-    tensors get storage, from the full checkpoint `state` or GPT's init."""
+    optimizer state keep GPT's names), plus wte/wpe on the first stage and ln_f on the last. `head`: the rows of the
+    tied wte this stage's lm_head holds (a copy unless the stage also holds wte): all of them on the last stage, or,
+    with --vocab_parallel, V/pp_size rows on the first chunk of every rank, and then the last stage ends at ln_f.
+    Only these tensors get storage, from the full checkpoint `state` or GPT's init."""
 
-    def __init__(self, config, index, n_stages, state, seed, device):
+    def __init__(self, config, index, n_stages, blocks, head, vocab_parallel, state, seed, device):
         super().__init__()
         full = GPT(config, device="meta").transformer  # the whole model without storage: we borrow its pieces
-        per, self.first, self.last = config.n_layer // n_stages, index == 0, index == n_stages - 1
+        self.first, self.last, self.vocab_parallel = index == 0, index == n_stages - 1, vocab_parallel
         self.transformer = nn.ModuleDict(dict(
-            h=nn.ModuleDict({str(i): full.h[i] for i in range(index * per, (index + 1) * per)}),
+            h=nn.ModuleDict({str(i): full.h[i] for i in blocks}),
             **(dict(wte=full.wte, wpe=full.wpe, drop=full.drop) if self.first else {}),
             **(dict(ln_f=full.ln_f) if self.last else {})))
-        if self.last:  # its own Parameter: a copy of wte unless this stage also holds wte
-            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False, device="meta")
+        if head is not None:  # its own Parameter: a copy of wte's rows unless this stage holds wte and all rows
+            self.lm_head = nn.Linear(config.n_embd, head.stop - head.start, bias=False, device="meta")
         self.to_empty(device=device)
-        if self.first and self.last:
+        if self.first and self.last and not vocab_parallel:
             self.lm_head.weight = self.transformer.wte.weight  # one stage: the tie is the same tensor
         with torch.no_grad():
             for name, p in self.named_parameters():
-                name = WTE if name == "lm_head.weight" else name  # the copy of wte starts from wte's values
-                p.copy_(state[name] if state is not None else init_tensor(name, p.shape, config, seed))
+                rows = head if name == "lm_head.weight" else slice(None)  # the copy of wte starts from wte's rows
+                name = WTE if name == "lm_head.weight" else name
+                shape = (config.vocab_size, config.n_embd) if name == WTE else p.shape
+                p.copy_((state[name] if state is not None else init_tensor(name, shape, config, seed))[rows])
 
     def forward(self, x, targets=None):  # token ids on the first stage, else the previous stage's activation
         if self.first:
@@ -77,49 +93,73 @@ class Stage(nn.Module):
             x = block(x)
         if not self.last:
             return x
-        logits = self.lm_head(self.transformer.ln_f(x))  # the last stage: logits, or their mean loss
+        x = self.transformer.ln_f(x)
+        if self.vocab_parallel:  # every rank's vocabulary pass computes the logits and the loss from x
+            return x
+        logits = self.lm_head(x)  # the last stage: logits, or their mean loss
         return logits if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def schedule_actions(schedule, rank, stages, microbatches, virtual=1):
-    """The ordered actions of `rank` for one batch: (op, microbatch, chunk) with op "F" or "B"; chunk c of rank r
-    is global stage c*stages + r. A pure function, so tests can check orders. Every schedule is: warm-up forwards,
-    then one forward one backward, then the remaining backwards; they differ in the warm-up."""
+def schedule_actions(schedule, rank, stages, microbatches, virtual=1, vocab_parallel=False):
+    """The ordered actions of `rank` for one batch: (op, microbatch, chunk) with op "F" or "B", and with
+    --vocab_parallel ("V", microbatch, 0): the micro-batch's vocabulary pass, forward and backward, on every rank;
+    chunk c of rank r is global stage c*stages + r. A pure function, so tests can check orders. Every schedule is:
+    warm-up forwards, then one forward one backward, then the remaining backwards; they differ in the warm-up."""
     # The k-th forward of a rank is micro-batch (k // pV) * p + k % p of chunk (k // p) % V: p micro-batches go
     # through chunk 0, then the same p through chunk 1, ... (V = 1: micro-batch k). Backwards: chunks in reverse.
-    p, V, total = stages, virtual, microbatches * virtual
+    p, V, total, d = stages, virtual, microbatches * virtual, stages - rank - 1
 
     def forward(k):
         return ("F", k // (p * V) * p + k % p, k // p % V)
 
     def backward(k):
         return ("B", k // (p * V) * p + k % p, V - 1 - k // p % V)
+    if vocab_parallel and schedule != "1f1b":
+        # V(k) on every rank in the step after the one in which the last stage ran F(k) (in the timetable of the
+        # plain schedule): the same order everywhere, and no rank reaches it much before the others.
+        table, actions = timetable([schedule_actions(schedule, r, p, microbatches, V) for r in range(p)], p * V), []
+        for mine, last in zip(table[rank], table[-1]):
+            actions += [mine] if mine else []
+            actions += [("V", last[1], 0)] if last and last[0] == "F" and last[2] == V - 1 else []
+        return actions
     # gpipe: every forward first. 1f1b: rank r runs p-r-1 forwards before its first backward can arrive, so at
     # most p-r micro-batches are between their forward and backward. interleaved (Megatron): 2(p-r-1) + (V-1)p.
-    warmup = min({"gpipe": total, "1f1b": p - rank - 1}.get(schedule, 2 * (p - rank - 1) + (V - 1) * p), total)
+    # 1f1b with vocabulary passes: 2(p-r-1), see below.
+    warmup = min({"gpipe": total, "1f1b": d * (1 + vocab_parallel)}.get(schedule, 2 * d + (V - 1) * p), total)
     steady = [a for k in range(total - warmup) for a in (forward(warmup + k), backward(k))]
-    return [forward(k) for k in range(warmup)] + steady + [backward(k) for k in range(total - warmup, total)]
+    actions = [forward(k) for k in range(warmup)] + steady + [backward(k) for k in range(total - warmup, total)]
+    # 1f1b: the last rank runs F(k), V(k), B(k); rank r = p-1-d, once full, runs V(k), F(k+d), B(k-d) in the time
+    # of one such cycle: its F(k+d) is the input of the stage after it in the next cycle, its B(k-d) the gradient
+    # the stage after it sent the cycle before. So V(k) goes before F(k+d), or B(k-d) once the forwards are done.
+    for k in range(microbatches if vocab_parallel else 0):
+        before = forward(k + d) if 0 < d and k + d < microbatches else backward(max(k - d, 0))
+        actions.insert(actions.index(before), ("V", k, 0))
+    return actions
 
 
 def messages(action, rank, pp_size, n_stages):
     """What `action` on `rank` receives and sends, each (peer rank, name), None at the ends of the pipeline. A message
-    is named (op, micro-batch, sending stage): F sends its output to the next stage, B its input's gradient back."""
+    is named (op, micro-batch, sending stage): F sends its output to the next stage, B its input's gradient back. A
+    vocabulary pass (V) exchanges none: its collectives run on every rank in the same step (see timetable)."""
     op, mb, c = action
     s, d = c * pp_size + rank, 1 if op == "F" else -1
-    recv = ((s - d) % pp_size, (op, mb, s - d)) if 0 <= s - d < n_stages else None
-    send = ((s + d) % pp_size, (op, mb, s)) if 0 <= s + d < n_stages else None
+    recv = ((s - d) % pp_size, (op, mb, s - d)) if op != "V" and 0 <= s - d < n_stages else None
+    send = ((s + d) % pp_size, (op, mb, s)) if op != "V" and 0 <= s + d < n_stages else None
     return recv, send
 
 
 def timetable(actions, n_stages):
     """Every rank's actions (actions[r]: rank r's, in order) on one clock of equal steps, as PyTorch's pipelining
     lays out its multi-stage schedules: a rank runs its next action at the first step after the one that sent the
-    message it needs, and idles (None) until then. Returns table[rank][step]."""
+    message it needs, and idles (None) until then; a vocabulary pass V(k) runs in the first step at which it is the
+    next action of every rank. Returns table[rank][step]."""
     p, todo, sent = len(actions), [list(a) for a in actions], set()
     table = [[] for _ in actions]
     while any(todo):
         need = [q and messages(q[0], r, p, n_stages)[0] for r, q in enumerate(todo)]
-        step = [q.pop(0) if q and (n is None or n[1] in sent) else None for q, n in zip(todo, need)]
+        ready = [q and (n is None or n[1] in sent) and (q[0][0] != "V" or all(o and o[0] == q[0] for o in todo))
+                 for q, n in zip(todo, need)]
+        step = [q.pop(0) if go else None for q, go in zip(todo, ready)]
         assert any(step), "the schedule waits for itself"
         for r, action in enumerate(step):
             table[r].append(action)
@@ -149,13 +189,68 @@ def p2p_program(table, rank, n_stages):
     return program
 
 
-def sum_tied_gradient(chunks, rank, pp_size, tied_group):
-    """wte (rank 0) and its copy lm_head (rank pp_size-1) each got one part of the tied gradient, the lookup's and
-    the head's. Both ranks send their vocab x C fp32 gradient (4*vocab*C bytes) and receive the other's: after the
-    sum both hold the full tied gradient, take identical AdamW steps and stay equal without ever sending the weight."""
-    if pp_size > 1 and rank in (0, pp_size - 1):  # one rank: the tie is one tensor already
-        tied = chunks[0].transformer.wte.weight if rank == 0 else chunks[-1].lm_head.weight
-        dist.all_reduce(tied.grad, group=tied_group)
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from (N, V/p) logit slices, one per rank of `group` (as tp_train.py's, written out
+    again). loss = log(sum_v exp(z_v - m)) - (z_t - m) with m the global max: one all-reduce (MAX) of N numbers, then
+    one (SUM) of 2N: each slice's sum of exp and the target's logit, which lives in one slice only. Backward needs no
+    communication: d loss / d z = softmax - onehot(t), the slice of it for my rows."""
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group):
+        logits = logits.float()
+        m = logits.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # N numbers: the global max, for stability
+        exp = (logits - m.unsqueeze(-1)).exp()
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank owns
+        local = local.clamp(0, logits.size(-1) - 1)
+        target_logit = torch.where(mine, logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) - m, 0.0)
+        sums = torch.stack([exp.sum(dim=-1), target_logit])
+        dist.all_reduce(sums, group=group)  # 2N numbers: sum of exp over the whole vocabulary, target logits
+        ctx.save_for_backward(exp / sums[0].unsqueeze(-1), local, mine)
+        return sums[0].log() - sums[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors
+        grad_logits = softmax.scatter_add(-1, local.unsqueeze(-1), -mine.float().unsqueeze(-1))
+        return grad_logits * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_pass(h, targets, head, vocab_start, last, group, scale, cast):
+    """One micro-batch's output layer and loss, split by vocabulary over the p ranks of `group`; forward and, with
+    grad, backward at once: the loss needs nothing from the stages before, so its backward can start right away.
+    h: the last stage's ln_f output (rows x T x C fp32), already broadcast to every rank. Returns the mean loss (known
+    to every rank) and, with grad, on rank `last`, d(scale * loss)/dh for the last stage's backward;
+    d(scale * loss)/d(my rows) accumulates in head.weight.grad, which never moves."""
+    h.requires_grad_(torch.is_grad_enabled())
+    with cast:
+        logits = head(h)  # rows x T x V/p: my rows' logits
+    loss = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), vocab_start, group).mean()
+    if not torch.is_grad_enabled():
+        return loss, None
+    (loss * scale).backward()
+    # 4*rows*T*C bytes: each rank's part of dh (its rows' dz @ W), summed onto the last rank
+    dist.reduce(h.grad, dst=last, group=group)
+    return loss.detach(), h.grad if dist.get_rank() == last else None
+
+
+def sum_tied_gradient(chunks, rank, pp_size, tied_groups, head_rows):
+    """wte (rank 0) and its copies, lm_head on the last rank (or, with --vocab_parallel, its rows head_rows(r) on
+    every rank r), each got one part of the tied gradient, the lookup's and the head's. Rank 0 and each rank r sum the
+    rows of r (4*rows*C fp32 bytes each way; rank 0's own rows: locally): after the sum both hold those rows' full
+    tied gradient, take identical AdamW steps and stay equal without ever sending the weight."""
+    head = next((chunk.lm_head.weight for chunk in chunks if hasattr(chunk, "lm_head")), None)
+    if pp_size == 1:  # one rank: the tie is one tensor already
+        return
+    if rank == 0:
+        wte = chunks[0].transformer.wte.weight.grad
+        if head is not None:
+            wte[head_rows(0)] += head.grad
+            head.grad.copy_(wte[head_rows(0)])
+        for r, group in tied_groups.items():
+            dist.all_reduce(wte[head_rows(r)], group=group)
+    elif rank in tied_groups:
+        dist.all_reduce(head.grad, group=tied_groups[rank])
 
 
 class Pipeline:
@@ -164,18 +259,29 @@ class Pipeline:
     def __init__(self, config, args, device, state=None):
         self.config, self.args, self.device, self.M = config, args, device, args.n_microbatches
         self.rank, self.pp_size, V = dist.get_rank(), dist.get_world_size(), args.virtual_stages
-        self.n_stages = self.pp_size * V
-        self.chunks = nn.ModuleList(Stage(config, c * self.pp_size + self.rank, self.n_stages, state, args.seed,
-                                          device) for c in range(V))
+        vp = args.vocab_parallel
+        self.n_stages, first_block = self.pp_size * V, list(itertools.accumulate(args.stage_layers, initial=0))
+        self.chunks = nn.ModuleList(Stage(config, s, self.n_stages, range(first_block[s], first_block[s + 1]),
+                                          self.head_rows(self.rank) if (c == 0 if vp else s == self.n_stages - 1)
+                                          else None, vp, state, args.seed, device)
+                                    for c, s in enumerate(range(self.rank, self.n_stages, self.pp_size)))
         # Made by every rank, in the same order. p2p_group: the pipeline's messages, apart from the loop's
-        # collectives; tied_group: wte's rank and its copy's.
-        self.p2p_group = dist.new_group()
-        self.tied_group = dist.new_group([0, self.pp_size - 1]) if self.pp_size > 1 else None
-        every = [schedule_actions(args.schedule, r, self.pp_size, self.M, V) for r in range(self.pp_size)]
+        # collectives; vocab_group: the vocabulary passes' collectives; tied_groups[r]: rank 0 (wte) and rank r,
+        # which holds a copy of some of its rows.
+        self.p2p_group, self.vocab_group = dist.new_group(), dist.new_group() if vp else None
+        self.tied_groups = {r: dist.new_group([0, r]) for r in range(1, self.pp_size) if vp or r == self.pp_size - 1}
+        every = [schedule_actions(args.schedule, r, self.pp_size, self.M, V, vp) for r in range(self.pp_size)]
         self.actions = every[self.rank]
         self.program = p2p_program(timetable(every, self.n_stages), self.rank, self.n_stages)
-        self.eval_program = p2p_program(timetable([[a for a in actions if a[0] == "F"] for actions in every],
+        self.eval_program = p2p_program(timetable([[a for a in actions if a[0] != "B"] for actions in every],
                                                   self.n_stages), self.rank, self.n_stages)
+
+    def head_rows(self, rank):
+        """The rows of the tied wte that `rank`'s lm_head holds: V/p of them each with --vocab_parallel, else all."""
+        if not self.args.vocab_parallel:
+            return slice(0, self.config.vocab_size)
+        n = self.config.vocab_size // self.pp_size
+        return slice(rank * n, (rank + 1) * n)
 
     def named_parameters(self):
         return [(n, q) for chunk in self.chunks for n, q in chunk.named_parameters()]
@@ -183,22 +289,24 @@ class Pipeline:
     def configure_optimizer(self, args, state=None):
         named = self.named_parameters()
         optimizer = configure_optimizer(named, args.weight_decay, args.learning_rate, (args.beta1, args.beta2))
-        for n, q in named if state else ():  # the copy of wte takes wte's state: they get the same gradient
+        for n, q in named if state else ():  # the copy of wte's rows takes their state: they get the same gradient
+            rows = self.head_rows(self.rank) if n == "lm_head.weight" else slice(None)
             set_adamw_state(optimizer, q, state[WTE if n == "lm_head.weight" else n],
-                            lambda t: t.to(self.device, copy=True))
+                            lambda t: t[rows].to(self.device, copy=True))
         return optimizer
 
     def forward_backward(self, x, y, sync):
         """One micro-step as M micro-batches through this rank's actions: its loss on the last rank, else 0."""
         loss = self.run(self.program, x.chunk(self.M), y.chunk(self.M))
         if sync:  # else the tied gradient waits for the last micro-step (gradient accumulation)
-            sum_tied_gradient(self.chunks, self.rank, self.pp_size, self.tied_group)
+            sum_tied_gradient(self.chunks, self.rank, self.pp_size, self.tied_groups, self.head_rows)
         return loss
 
     def run(self, program, xs, ys):
         """Runs `program` (see p2p_program) over the micro-batches xs[i], ys[i]; returns the mean of their losses on
         the last stage, 0 elsewhere. Without grad (evaluation): a program of forwards only."""
         r, p, last, A = self.rank, self.pp_size, self.n_stages - 1, self.args.grad_accum_steps
+        vp = self.args.vocab_parallel
         shape = (*xs[0].shape, self.config.n_embd)  # fixed, never exchanged; fp32 under bf16 autocast too
         stash, inbox, loss_sum = {}, {}, torch.zeros((), device=self.device)  # inbox: received, by message name
         for action, exchange in program:
@@ -209,7 +317,7 @@ class Pipeline:
                     inp = xs[mb] if s == 0 else inbox.pop(("F", mb, s - 1)).requires_grad_(torch.is_grad_enabled())
                     with timers("compute", label=action), autocast(self.args, self.device):
                         out = self.chunks[c](inp, ys[mb])  # on the last stage: the micro-batch's mean loss
-                    if s == last:
+                    if s == last and not vp:
                         loss_sum += out.detach() / len(xs)
                         out = out / (len(xs) * A)  # a micro-batch is 1/(M*A) of the step
                     if torch.is_grad_enabled():
@@ -217,10 +325,23 @@ class Pipeline:
                         # itself is freed once sent (the ops after it saved their own inputs).
                         stash[(mb, c)] = (inp, get_gradient_edge(out))
                     result = out.detach()
+                    if s == last and vp:  # for this rank's vocabulary pass, as if sent to a stage after the last
+                        inbox[("F", mb, s)] = result
+                elif op == "V":  # on every rank: the logits of my vocabulary rows, the loss, d(loss)/dh
+                    h = inbox.pop(("F", mb, last)) if r == p - 1 else torch.empty(shape, device=self.device)
+                    # 4*rows*T*C bytes from the last stage to every rank; outside the compute time: a rank waits
+                    # here until all have come (the vocabulary pass is a rendezvous of all ranks)
+                    dist.broadcast(h, src=p - 1, group=self.vocab_group)
+                    with timers("compute", label=action):
+                        loss, dh = vocab_pass(h, ys[mb], self.chunks[0].lm_head, self.head_rows(r).start, p - 1,
+                                              self.vocab_group, 1 / (len(xs) * A), autocast(self.args, self.device))
+                    loss_sum += loss / len(xs) if r == p - 1 else 0
+                    if r == p - 1:  # d(loss)/dh, for the last stage's backward, as if sent by a stage after it
+                        inbox[("B", mb, last + 1)] = dh
                 else:  # d(loss)/d(our output) came from the next stage (the last stage starts from its loss)
                     inp, edge = stash.pop((mb, c))
                     with timers("compute", label=action):
-                        torch.autograd.backward(edge, None if s == last else inbox.pop(("B", mb, s + 1)))
+                        torch.autograd.backward(edge, None if s == last and not vp else inbox.pop(("B", mb, s + 1)))
                     result = inp.grad  # d(loss)/d(our input), for the previous stage
                     del inp, edge
             # This step's messages, 4*rows*T*C bytes each: our result to rank r+1 (F) or r-1 (B), and what those
@@ -268,17 +389,41 @@ class Pipeline:
         return model, {n: s for g in gathered for n, s in g[1].items()}
 
     def describe(self):
-        per, last = self.config.n_layer // self.n_stages, self.n_stages - 1
-        return f"{self.args.schedule} schedule, {self.M} micro-batches a micro-step" + "".join(
-            f"\n  stage {s} (rank {s % self.pp_size}): " + ("wte, wpe, " if s == 0 else "")
-            + f"blocks {s * per}-{s * per + per - 1}" + (", ln_f, lm_head" if s == last else "")
-            for s in range(self.n_stages))
+        plan, per_rank = stage_plan(self.config, self.args, self.pp_size)
+        return (f"{self.args.schedule} schedule, {self.M} micro-batches a micro-step; estimated GFLOP a step "
+                f"(forward + backward):" + "".join(f"\n  {line}" for line in plan)
+                + f"\n  per rank: {[round(g, 2) for g in per_rank]}")
+
+
+def stage_plan(config, args, pp_size):
+    """Each stage's pieces and estimated forward + backward FLOPs a step (B*T tokens; backward = 2 x forward, a
+    multiply-add = 2 FLOPs): a block 24C^2 + 4TC a token (its matmuls; attention's scores and weighted sum), the
+    embedding C (the add of wte and wpe), the head 2VC and the loss 4V (max, subtract, exp, sum), on the last stage or,
+    with --vocab_parallel, 1/p of both on every rank. Returns the lines of the plan and the GFLOP per rank."""
+    C, T, V, n = config.n_embd, config.block_size, config.vocab_size, pp_size * args.virtual_stages
+    gflop = 3 * args.batch_size * T / 1e9
+    first_block, per_rank, plan = list(itertools.accumulate(args.stage_layers, initial=0)), [0.0] * pp_size, []
+    head = (2 * V * C + 4 * V) * gflop
+    for s in range(n):
+        a, b, own_head = first_block[s], first_block[s + 1], s == n - 1 and not args.vocab_parallel
+        cost = (b - a) * (24 * C * C + 4 * T * C) * gflop + (s == 0) * C * gflop + own_head * head
+        per_rank[s % pp_size] += cost
+        plan.append(f"stage {s} (rank {s % pp_size}): " + ("wte, wpe, " if s == 0 else "") + f"blocks {a}-{b - 1}"
+                    + (", ln_f" if s == n - 1 else "") + (", lm_head" if own_head else "") + f": {cost:.2f}")
+    if args.vocab_parallel:
+        plan.append(f"vocabulary pass, every rank: lm_head rows r*{V // pp_size} to (r+1)*{V // pp_size}-1 and their "
+                    f"part of the loss: {head / pp_size:.2f}")
+        per_rank = [g + head / pp_size for g in per_rank]
+    return plan, per_rank
 
 
 def add_pp_flags(group):
     group.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
     group.add_argument("--n_microbatches", type=int, default=4, help="micro-batches per micro-step")
     group.add_argument("--virtual_stages", type=int, default=None, help="chunks per rank, interleaved only (default 2)")
+    group.add_argument("--stage_layers", default=None,
+                       help="blocks per stage, e.g. 3,1: one entry per stage (ranks x virtual stages); default even")
+    add_bool(group, "--vocab_parallel", False, "custom only: lm_head and the loss split by vocabulary over all ranks")
     add_bool(group, "--print_schedule", False,
              "custom only: time every step; print the last one's timeline and the bubble")
 
@@ -295,8 +440,27 @@ def check_pp_args(args, world_size):
         die(f"--{'virtual_stages' if V <= 0 else 'n_microbatches'}: must be > 0")
     if pp_size == 1 and args.schedule == "interleaved":  # chunk 0 would send to chunk 1 on its own rank
         die("--schedule: interleaved needs at least 2 ranks (run under torchrun --nproc_per_node >= 2)")
-    if args.n_layer % (pp_size * V):
-        die(f"--n_layer: {args.n_layer} layers must be divisible by stages ({pp_size} ranks) x --virtual_stages ({V})")
+    n_stages = pp_size * V
+    if args.stage_layers is None:
+        if args.n_layer % n_stages:
+            die(f"--n_layer: {args.n_layer} layers must be divisible by stages ({pp_size} ranks) x --virtual_stages "
+                f"({V}), or give --stage_layers")
+        args.stage_layers = [args.n_layer // n_stages] * n_stages
+    else:
+        try:
+            args.stage_layers = [int(n) for n in args.stage_layers.split(",")]
+        except ValueError:
+            die(f"--stage_layers: a comma-separated list of integers, got {args.stage_layers!r}")
+        if len(args.stage_layers) != n_stages:
+            die(f"--stage_layers: {len(args.stage_layers)} entries for {n_stages} stages ({pp_size} ranks x "
+                f"--virtual_stages {V})")
+        if min(args.stage_layers) < 1 or sum(args.stage_layers) != args.n_layer:
+            die(f"--stage_layers: every stage needs >= 1 block and they must sum to --n_layer ({args.n_layer}), got "
+                f"{args.stage_layers}")
+    if args.vocab_parallel and (args.implementation != "custom" or pp_size == 1):
+        die("--vocab_parallel: true needs --implementation custom and at least 2 ranks")
+    if args.vocab_parallel and args.vocab_size % pp_size:
+        die(f"--vocab_parallel: --vocab_size ({args.vocab_size}) must be divisible by the number of ranks ({pp_size})")
     check_batch_split(args, 1)
     if (args.batch_size // args.grad_accum_steps) % args.n_microbatches:
         die(f"--n_microbatches: {args.batch_size // args.grad_accum_steps} rows per micro-step (--batch_size / "
@@ -383,8 +547,9 @@ def main(argv=None):
 
 def peak_live(actions, size=lambda chunk: 1):
     """The most a schedule holds between forwards and their backwards (max over its prefixes): live
-    micro-batches, or bytes with size(chunk) = what one micro-batch's forward through that chunk saves."""
-    return max(itertools.accumulate(size(c) if op == "F" else -size(c) for op, _, c in actions))
+    micro-batches, or bytes with size(chunk) = what one micro-batch's forward through that chunk saves. A vocabulary
+    pass holds nothing after it (its forward and backward are one action)."""
+    return max(itertools.accumulate({"F": size(c), "B": -size(c), "V": 0}[op] for op, _, c in actions))
 
 
 def activation_bytes(model, rows, T):
@@ -401,8 +566,10 @@ def activation_bytes(model, rows, T):
 
 class ScheduleReport:
     """--print_schedule: every step starts on all ranks at once (a barrier) and its F and B spans (timers("compute"))
-    are gathered from all ranks; at the end rank 0 prints the last step's timeline and the bubble. The summary gets
-    each rank's peak live micro-batches and activation bytes (custom only: PyTorch's schedules are its own)."""
+    are gathered from all ranks (with --vocab_parallel also the vocabulary passes, 'V3', timed from after their
+    broadcast, where a rank waits for the others); at the end rank 0 prints the last step's timeline, the bubble and
+    the stage plan. The summary gets each rank's peak live micro-batches and activation bytes (custom only: PyTorch's
+    schedules are its own)."""
 
     def __init__(self, args, model):
         self.args, self.model, self.steps = args, model, []  # steps: per step, every rank's spans
@@ -434,6 +601,7 @@ class ScheduleReport:
         theory = (p - 1) / (V * M + p - 1)  # for equal stages. For the measured S: the slowest stage computes
         # throughout, every other adds one micro-batch's (chunk's) share to fill and drain the pipeline.
         staged = 1 - sum(S) / (p * (max(S) + (sum(S) - max(S)) / (M * V)))
+        plan, per_rank = stage_plan(model.config, args, p)
         if model.rank == 0:  # one row per rank; 'F3' = forward of micro-batch 3 (chunk a, b, .. when V > 1)
             width, end = 96, ends[-1]
             print(f"timeline of the last step ({end * 1000:.1f} ms, {width} columns):")
@@ -447,7 +615,9 @@ class ScheduleReport:
             print(f"bubble: measured {bubble:.1%} (median of {len(ends)} steps, mean over ranks), theory {theory:.1%} "
                   f"= (p-1)/({'V*' if V > 1 else ''}m+p-1) with p={p}, m={M}{f', V={V}' if V > 1 else ''}\n"
                   f"  the theory assumes equal stages; measured F+B ms per step and rank: {[round(s) for s in S]}, "
-                  f"for which the same model of the schedule gives {staged:.1%}")
+                  f"for which the same model of the schedule gives {staged:.1%}\nthe stage plan, estimated GFLOP a "
+                  f"step:" + "".join(f"\n  {line}" for line in plan)
+                  + f"\n  per rank: {[round(g, 2) for g in per_rank]}")
         return dict(extra, run=dict(bubble_measured=bubble, bubble_theory=theory, bubble_for_stage_times=staged))
 
 
@@ -473,7 +643,7 @@ class TorchPipeline(Pipeline):
         with autocast(self.args, self.device):
             self.schedule.step(*([x] if self.rank == 0 else []), **(dict(target=y, losses=losses) if last else {}))
         if sync:
-            sum_tied_gradient(self.chunks, self.rank, self.pp_size, self.tied_group)
+            sum_tied_gradient(self.chunks, self.rank, self.pp_size, self.tied_groups, self.head_rows)
         if not last:
             return torch.zeros((), device=self.device)
         return torch.stack(losses).sum().detach() * self.args.grad_accum_steps  # losses were scaled by 1/(A*M)

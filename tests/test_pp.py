@@ -1,8 +1,12 @@
-"""pp_train.py: schedule orders, the timetable, deadlock freedom of the issued send/recv under NCCL's rendezvous
-semantics, the live micro-batches of each schedule, gradients (incl. the tied weight) equal to the reference, live
-activations measured around the executor against the script's figure, timeline and bubble, checkpoint, bad input."""
+"""pp_train.py: schedule orders, the timetable, deadlock freedom of the issued send/recv and the vocabulary passes'
+collectives under NCCL's rendezvous semantics, the live micro-batches of each schedule, gradients (incl. the tied
+weight) equal to the reference with even and uneven stages and with the head split by vocabulary, the collectives
+called and model state bytes held, live activations measured around the executor against the script's figure,
+timeline and bubble, stage plan, checkpoint, bad input."""
+import contextlib
 import gc
 import hashlib
+import itertools
 import json
 import re
 import statistics
@@ -13,12 +17,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import TINY, launch, read_metrics, spawn, the_one_error
+import pp_train
+from conftest import TINY, launch, read_metrics, spawn, step_losses, the_one_error
 from common.config import parse_args
 from common.data import get_batch
 from common.model import GPT, GPTConfig
-from pp_train import (Pipeline, ScheduleReport, activation_bytes, add_pp_flags, messages, p2p_program, peak_live,
-                      schedule_actions, timetable)
+from common.metrics import model_state_bytes
+from pp_train import (Pipeline, ScheduleReport, activation_bytes, add_pp_flags, check_pp_args, messages, p2p_program,
+                      peak_live, schedule_actions, timetable, vocab_pass)
 
 
 def F(i, c=0):
@@ -27,6 +33,10 @@ def F(i, c=0):
 
 def B(i, c=0):
     return ("B", i, c)
+
+
+def V_(i):  # a vocabulary pass (V is the number of chunks in these tests)
+    return ("V", i, 0)
 
 
 # ---- the schedules as pure functions ------------------------------------------------------
@@ -55,6 +65,19 @@ def test_gpipe_and_interleaved_orders():
     assert schedule_actions("interleaved", 1, 2, 4, 2)[:3] == [F(0, 0), F(1, 0), F(0, 1)]  # warm-up 2
 
 
+def test_vocab_parallel_1f1b_orders():
+    # the last rank: F(k), V(k), B(k). Rank r = p-1-d warms up 2d forwards, then runs V(k), F(k+d), B(k-d) a cycle
+    assert schedule_actions("1f1b", 1, 2, 4, 1, True) == [F(0), V_(0), B(0), F(1), V_(1), B(1), F(2), V_(2), B(2),
+                                                          F(3), V_(3), B(3)]
+    assert schedule_actions("1f1b", 0, 2, 4, 1, True) == [F(0), V_(0), F(1), V_(1), F(2), B(0), V_(2), F(3), B(1),
+                                                          V_(3), B(2), B(3)]
+    assert schedule_actions("1f1b", 0, 4, 8, 1, True) == [
+        F(0), F(1), F(2), V_(0), F(3), V_(1), F(4), V_(2), F(5), V_(3), F(6), B(0), V_(4), F(7), B(1), V_(5), B(2),
+        V_(6), B(3), V_(7), B(4), B(5), B(6), B(7)]
+    # gpipe: V(k) in the timetable step after the last stage's F(k): the first rank is one forward ahead
+    assert schedule_actions("gpipe", 0, 2, 3, 1, True) == [F(0), F(1), V_(0), F(2), V_(1), V_(2), B(0), B(1), B(2)]
+
+
 class Deadlock(Exception):
     pass
 
@@ -67,9 +90,11 @@ def simulate(programs):
     for all its kernels (e.g. isends never waited before). Rendezvous: a send completes only when its receive is
     posted, and vice versa; a kernel starts when the kernels before it on its stream have completed (NCCL runs one
     communicator's kernels in order) and completes when all its ops have; the k-th send on (sender, receiver,
-    communicator) matches the k-th receive on it, which must name the same message."""
+    communicator) matches the k-th receive on it, which must name the same message. An op (communicator, None, None,
+    name) is a collective of all ranks: the k-th on a communicator completes when every rank has started its k-th there,
+    which must name the same thing (collectives are called in the same order on every rank)."""
     n = len(programs)
-    pc, blocked, streams, count, posted = [0] * n, [None] * n, {}, {}, {}
+    pc, blocked, streams, count, posted, collectives = [0] * n, [None] * n, {}, {}, {}, {}
     while True:
         progress = False
         for r in range(n):  # each rank issues until it blocks
@@ -77,6 +102,11 @@ def simulate(programs):
                 stream, ops, wait = programs[r][pc[r]]
                 kernel = dict(ops=[], done=False)
                 for comm, peer, is_send, name in ops:
+                    if is_send is None:  # a collective: rank r's k-th on comm
+                        k = count[comm, r] = count.get((comm, r), -1) + 1
+                        collectives.setdefault((comm, k), {})[r] = op = dict(name=name, kernel=kernel, done=False)
+                        kernel["ops"].append(op)
+                        continue
                     channel = (comm, r, peer) if is_send else (comm, peer, r)
                     k = count[channel, is_send] = count.get((channel, is_send), -1) + 1
                     op = posted[channel, k, is_send] = dict(name=name, kernel=kernel, done=False)
@@ -89,6 +119,12 @@ def simulate(programs):
             if not op["done"] and peer is not None and {id(op["kernel"]), id(peer["kernel"])} <= set(map(id, started)):
                 assert op["name"] == peer["name"], f"{channel}: {op['name']} received as {peer['name']}"
                 op["done"] = peer["done"] = progress = True
+        for (comm, k), ops in collectives.items():
+            kernels = {id(op["kernel"]) for op in ops.values()}
+            if len(ops) == n and not ops[0]["done"] and kernels <= set(map(id, started)):
+                assert len({str(op["name"]) for op in ops.values()}) == 1, f"{comm} #{k}: {ops}"
+                for op in ops.values():
+                    op["done"] = progress = True
         for queue in streams.values():
             while queue and all(op["done"] for op in queue[0]["ops"]):
                 queue.pop(0)["done"] = progress = True
@@ -98,10 +134,14 @@ def simulate(programs):
             raise Deadlock(f"ranks at issue {pc}, started: {[[op['name'] for op in k['ops']] for k in started]}")
 
 
-def script_programs(schedule, p, m, V=1, forwards_only=False):
-    """What pp_train.py issues: for each step of its timetable one batch_isend_irecv on its p2p group, waited."""
-    every = [schedule_actions(schedule, r, p, m, V) for r in range(p)]
-    every = [[a for a in actions if a[0] == "F" or not forwards_only] for actions in every]
+VOCAB_COLLECTIVES = ["broadcast", "all_reduce max", "all_reduce sum", "reduce"]  # a vocabulary pass's, in order
+
+
+def script_programs(schedule, p, m, V=1, forwards_only=False, vocab_parallel=False):
+    """What pp_train.py issues: for each step of its timetable one batch_isend_irecv on its p2p group, waited; in a
+    vocabulary pass, its collectives on the vocab group, each waited (the next kernel waits for it on the stream)."""
+    every = [schedule_actions(schedule, r, p, m, V, vocab_parallel) for r in range(p)]
+    every = [[a for a in actions if a[0] != "B" or not forwards_only] for actions in every]
     table = timetable(every, p * V)
     programs = [p2p_program(table, r, p * V) for r in range(p)]
     for r, program in enumerate(programs):  # the program runs exactly the rank's actions, each after its input came
@@ -112,7 +152,11 @@ def script_programs(schedule, p, m, V=1, forwards_only=False):
             assert need is None or need[1] in received, (action, "runs before its input arrived")
             assert [(peer, name) for peer, is_send, name in exchange if is_send] == ([send] if send else [])
             received |= {name for _, is_send, name in exchange if not is_send}
-    return [[("p2p", [("p2p", *op) for op in exchange], True) for _, exchange in program if exchange]
+    vocab = VOCAB_COLLECTIVES[:3 if forwards_only else 4]  # evaluation: no backward, no reduce of dh
+    return [[kernel for action, exchange in program
+             for kernel in ([("vocab", [("vocab", None, None, (action, what))], True) for what in vocab]
+                            if action and action[0] == "V" else [])
+             + ([("p2p", [("p2p", *op) for op in exchange], True)] if exchange else [])]
             for program in programs]
 
 
@@ -135,18 +179,41 @@ def unpaired_programs(schedule, p, m, V=1):
 def test_schedules_are_deadlock_free_with_bounded_live_microbatches(p):
     for m in range(1, 9):
         interleaved = [("interleaved", V) for V in (2, 3, 4) if p > 1 and m % p == 0]  # as check_pp_args requires
-        for schedule, V in [("gpipe", 1), ("1f1b", 1)] + interleaved:
-            lists = [schedule_actions(schedule, r, p, m, V) for r in range(p)]
+        for (schedule, V), vp in itertools.product([("gpipe", 1), ("1f1b", 1)] + interleaved, {False, p > 1}):
+            lists = [schedule_actions(schedule, r, p, m, V, vp) for r in range(p)]
             for actions in lists:  # every (micro-batch, chunk) once forward, once backward, F before B
-                assert sorted(actions) == sorted([(op, i, c) for op in "FB" for i in range(m) for c in range(V)])
-                assert all(actions.index(("F", i, c)) < actions.index(("B", i, c)) for _, i, c in actions)
-            simulate(script_programs(schedule, p, m, V))  # training
-            simulate(script_programs(schedule, p, m, V, forwards_only=True))  # evaluation
+                assert sorted(actions) == sorted([(op, i, c) for op in "FB" for i in range(m) for c in range(V)]
+                                                 + [V_(i) for i in range(m) if vp])
+                assert all(actions.index(("F", i, c)) < actions.index(("B", i, c)) for op, i, c in actions if op != "V")
+                # vocabulary passes in micro-batch order on every rank: their collectives in the same order everywhere
+                assert [i for op, i, _ in actions if op == "V"] == list(range(m)) * vp
+            for i in range(m if vp else 0):  # the last stage: F(i), its vocabulary pass, then B(i)
+                assert lists[-1].index(("F", i, V - 1)) < lists[-1].index(V_(i)) < lists[-1].index(("B", i, V - 1))
+            simulate(script_programs(schedule, p, m, V, vocab_parallel=vp))  # training
+            simulate(script_programs(schedule, p, m, V, forwards_only=True, vocab_parallel=vp))  # evaluation
             peak = [peak_live(actions) for actions in lists]  # micro-batches between their F and B
             if schedule == "gpipe":
                 assert peak == [m] * p
-            elif schedule == "1f1b":
-                assert peak == [min(p - r, m) for r in range(p)]  # <= p, whatever m is
+            elif schedule == "1f1b":  # <= p whatever m is; with vocabulary passes 2(p-r-1) + 1
+                assert peak == [min((p - r - 1) * (1 + vp) + 1, m) for r in range(p)]
+
+
+def test_simulator_finds_collective_deadlocks():
+    # rank 0 sends its activation (a batch, waited), then joins the vocabulary pass; rank 1 joins the pass first and
+    # receives after it: each waits for the other, across the two communicators
+    vocab = ("vocab", [("vocab", None, None, V_(0))], True)
+    send, recv = ("p2p", [("p2p", 1, True, F(0))], True), ("p2p", [("p2p", 0, False, F(0))], True)
+    with pytest.raises(Deadlock):
+        simulate([[send, vocab], [vocab, recv]])
+    simulate([[send, vocab], [recv, vocab]])
+    with pytest.raises(AssertionError, match="#0"):  # collectives called in different orders
+        simulate([[vocab], [("vocab", [("vocab", None, None, V_(1))], True)]])
+    # the script's own program with the first rank's vocabulary passes moved to its start: it waits in V(0) while the
+    # last rank waits for F(0)
+    programs = script_programs("1f1b", 2, 4, vocab_parallel=True)
+    moved = [k for k in programs[0] if k[0] == "vocab"] + [k for k in programs[0] if k[0] != "vocab"]
+    with pytest.raises(Deadlock):
+        simulate([moved, programs[1]])
 
 
 def test_simulator_finds_the_send_send_deadlock_of_unpaired_p2p():
@@ -223,10 +290,44 @@ def recording(issued):
         torch.distributed.batch_isend_irecv = real
 
 
+@contextmanager
+def counting(counts, names=("broadcast", "all_reduce", "reduce")):
+    """Counts the calls of these torch.distributed collectives."""
+    real = {name: getattr(torch.distributed, name) for name in names}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return real[name](*args, **kwargs)
+        return call
+    for name in names:
+        setattr(torch.distributed, name, counted(name))
+    try:
+        yield
+    finally:
+        for name in names:
+            setattr(torch.distributed, name, real[name])
+
+
+@contextmanager
+def metered_vocab_pass(meter):
+    """pp_train.vocab_pass with what it saves counted by `meter` instead of the hooks around it."""
+    real = pp_train.vocab_pass
+
+    def metered(*args):
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            return real(*args)
+    pp_train.vocab_pass = metered
+    try:
+        yield
+    finally:
+        pp_train.vocab_pass = real
+
+
 def _pipeline_grads(rank, p, cases):
-    """For each (schedule, M, V): one batch through the pipeline on p ranks; returns this rank's
-    gradients by name (tied gradient summed), the reference's, the loss, the measured live activations
-    and the script's figures."""
+    """For each (schedule, M, V, vocab_parallel, stage_layers): one batch through the pipeline on p ranks; returns
+    this rank's gradients by name (tied gradient summed), the reference's, the loss, the measured live activations,
+    the collectives called, the model state bytes and the script's figures."""
     torch.manual_seed(0)
     x, y = get_batch("train", 0, 16, CONFIG.block_size, seed=0)
     reference = GPT(CONFIG, seed=0)
@@ -234,68 +335,116 @@ def _pipeline_grads(rank, p, cases):
     ref_loss.backward()
     ref_grads = {n: q.grad for n, q in reference.named_parameters()}
     out = []
-    for schedule, m, V in cases:
+    for schedule, m, V, vp, layers in cases:
         args = SimpleNamespace(schedule=schedule, n_microbatches=m, virtual_stages=V, seed=0, grad_accum_steps=1,
-                               dtype="float32")
+                               dtype="float32", vocab_parallel=vp,
+                               stage_layers=layers or [CONFIG.n_layer // p // V] * p * V,
+                               weight_decay=0.1, learning_rate=1e-3, beta1=0.9, beta2=0.95)
         model = Pipeline(CONFIG, args, torch.device("cpu"))
         named = model.named_parameters()
-        meter, issued = LiveSaved([q for _, q in named]), []
-        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), recording(issued):
+        meter, issued, counts, eval_counts = LiveSaved([q for _, q in named]), [], {}, {}
+        vocab_meter = LiveSaved([q for _, q in named])  # what a vocabulary pass saves while it runs, apart
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), recording(issued), \
+                counting(counts), metered_vocab_pass(vocab_meter):
             loss = model.forward_backward(x, y, sync=True)  # sync: the tied gradient summed
         gc.collect()
-        with recording(issued):
+        with recording(issued), counting(eval_counts):
             eval_loss = model.eval_loss(x, y)
         # what the executor issued: one batch per step that exchanges messages, exactly the program's
         programs = [[[(peer, is_send) for peer, is_send, _ in exchange] for _, exchange in program if exchange]
                     for program in (model.program, model.eval_program)]
         size = activation_bytes(model, 16 // m, CONFIG.block_size)
-        max_diff = max((q.grad - ref_grads["transformer.wte.weight" if n == "lm_head.weight" else n]).abs().max().item()
+        rows = model.head_rows(rank)
+        max_diff = max((q.grad - (ref_grads[WTE][rows] if n == "lm_head.weight" else ref_grads[n])).abs().max().item()
                        for n, q in named)
-        out.append(dict(case=(schedule, m, V), names={n for n, _ in named}, max_diff=max_diff, loss=loss.item(),
-                        ref_loss=ref_loss.item(), live=meter.live, measured_peak_bytes=meter.peak,
+        optimizer = model.configure_optimizer(args)
+        optimizer.step()  # AdamW's state now exists: the model state bytes of this rank
+        tied = {n: q.grad for n, q in named if n in (WTE, "lm_head.weight")}
+        out.append(dict(case=(schedule, m, V, vp, layers), names={n for n, _ in named}, max_diff=max_diff,
+                        loss=loss.item(), ref_loss=ref_loss.item(), live=meter.live, measured_peak_bytes=meter.peak,
                         peak=peak_live(model.actions), peak_bytes=peak_live(model.actions, lambda c: size[c]),
                         issued=issued, programs=programs[0] + programs[1], eval_loss=eval_loss.item(),
-                        tied=next((hashlib.sha256(q.grad.numpy().tobytes()).hexdigest() for n, q in named
-                                   if n in ("transformer.wte.weight", "lm_head.weight")), None)))
+                        counts=counts, eval_counts=eval_counts, state_bytes=model_state_bytes(optimizer),
+                        vocab_peak=vocab_meter.peak,
+                        # the tied gradient's rows, by the rank holding a copy of them, as hashes (a tensor returned
+                        # through the spawn queue can outlive its sender's shared memory)
+                        tied={r: digest(tied[WTE][model.head_rows(r)]) for r in range(p)} if WTE in tied
+                        else {rank: digest(tied["lm_head.weight"])} if tied else {}))
     return out
 
 
-def owner(name, p, V):
-    """The rank holding a GPT parameter: block i is in stage i // (layers per stage), wte/wpe in stage 0, ln_f and
-    lm_head in the last; stage s is on rank s % p."""
-    n_stages = p * V
+def digest(t):
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+WTE = "transformer.wte.weight"
+
+
+def owner(name, p, V, layers):
+    """The ranks holding a GPT parameter: block i is in the stage whose share of `layers` covers it, wte/wpe in stage
+    0, ln_f and lm_head in the last (lm_head: its rows on every rank with --vocab_parallel); stage s is on rank
+    s % p."""
     if name.startswith("transformer.h."):
-        return int(name.split(".")[2]) // (CONFIG.n_layer // n_stages) % p
-    return 0 if name.startswith(("transformer.wte", "transformer.wpe")) else (n_stages - 1) % p
+        i, first = int(name.split(".")[2]), list(itertools.accumulate(layers))
+        return {next(s for s in range(p * V) if i < first[s]) % p}
+    return {0} if name.startswith(("transformer.wte", "transformer.wpe")) else {(p * V - 1) % p}
 
 
 def _check(results, p):
     every = [n for n, _ in GPT(CONFIG, device="meta").named_parameters(remove_duplicate=False)]  # lm_head too
+    numel = {n: q.numel() for n, q in GPT(CONFIG, device="meta").named_parameters(remove_duplicate=False)}
+    C, vocab = CONFIG.n_embd, CONFIG.vocab_size
     for rank, cases in enumerate(results):
         for r in cases:
-            # this rank holds its stages' tensors and no other (the first and last stages' embeddings and head)
-            assert r["names"] == {n for n in every if owner(n, p, r["case"][2]) == rank}, r["case"]
+            schedule, m, V, vp, layers = r["case"]
+            layers = layers or [CONFIG.n_layer // p // V] * p * V
+            # this rank holds its stages' tensors and no other (the first and last stages' embeddings and head);
+            # with --vocab_parallel every rank holds lm_head rows
+            mine = {n for n in every if rank in owner(n, p, V, layers) and not (vp and n == "lm_head.weight")}
+            assert r["names"] == mine | ({"lm_head.weight"} if vp else set()), r["case"]
+            # model state: 16 bytes (fp32 param, grad, AdamW's two moments) per value held, and AdamW's 4-byte step
+            # per tensor; the head's copy is 16*vocab*C on the last rank, or 16*vocab*C/p on every rank with
+            # --vocab_parallel
+            head = 16 * vocab * C // p if vp else 16 * vocab * C * (rank == p - 1)
+            assert r["state_bytes"] == (16 * sum(numel[n] for n in mine if n != "lm_head.weight") + head
+                                        + 4 * len(r["names"])), r["case"]
             assert r["max_diff"] <= 1e-6, r["case"]  # every gradient, the tied one included, equals the reference's
             assert r["live"] == 0, "every saved activation must be released by its backward"
             # the script's figure (one micro-batch's saved bytes per chunk x the schedule's live micro-batches)
             # against what autograd really held during the run
             assert abs(r["peak_bytes"] - r["measured_peak_bytes"]) <= 0.02 * r["measured_peak_bytes"], r
+            # a vocabulary pass, while it runs, saves h (N tokens x C) for its head, and for the loss's backward its
+            # rows' softmax (N x vocab/p fp32), the targets' local ids (int64) and whether this rank owns them (bool)
+            N = 16 // m * CONFIG.block_size
+            assert r["vocab_peak"] == (4 * N * C + 4 * N * vocab // p + 9 * N if vp else 0), r["case"]
             assert r["issued"] == r["programs"], r["case"]  # every message goes through the program's batches
             if rank == p - 1:
                 assert abs(r["loss"] - r["ref_loss"]) <= 1e-6 and abs(r["eval_loss"] - r["ref_loss"]) <= 1e-6
-            schedule, m, V = r["case"]
+            # the collectives the docstrings state: a vocabulary pass per micro-batch calls one broadcast (h), two
+            # all-reduces (max; sum of exp and target logit) and one reduce (dh), evaluation no reduce; summing the
+            # tied gradient: one all-reduce of rank 0 with each rank holding rows of its copy
+            tied = (p - 1 if rank == 0 else 1) if vp else int(rank in (0, p - 1) and p > 1)
+            assert r["counts"] == {k: v for k, v in dict(broadcast=m * vp, all_reduce=2 * m * vp + tied,
+                                                          reduce=m * vp).items() if v}, r["case"]
+            assert r["eval_counts"] == ({"broadcast": m, "all_reduce": 2 * m} if vp else {}), r["case"]
             if schedule == "gpipe":
                 assert r["peak"] == m
             elif schedule == "1f1b":
-                assert r["peak"] == min(p - rank, m) <= p
-    # the tied gradient: rank 0's wte and rank p-1's lm_head hold the same summed tensor, bit for bit (hashes:
-    # a tensor returned through the spawn queue can outlive its sender's shared memory)
-    for a, b in zip(results[0], results[p - 1]):
-        assert a["tied"] == b["tied"]
+                assert r["peak"] == min((p - rank - 1) * (1 + vp) + 1, m) <= 2 * p - 1
+    # the tied gradient: rank 0's wte and each copy of its rows (lm_head on the last rank, or rows on every rank)
+    # hold the same summed tensor, bit for bit
+    for k, case in enumerate(results[0]):
+        for rank in range(1, p):
+            for r, h in results[rank][k]["tied"].items():
+                assert h == case["tied"][r], (case["case"], rank)
 
 
 def test_two_stages_gradients_tied_weight_and_live_activations():
-    cases = [("gpipe", 4, 1), ("gpipe", 8, 1), ("1f1b", 4, 1), ("1f1b", 8, 1), ("interleaved", 4, 2)]
+    cases = [("gpipe", 4, 1, False, None), ("gpipe", 8, 1, False, None), ("1f1b", 4, 1, False, None),
+             ("1f1b", 8, 1, False, None), ("interleaved", 4, 2, False, None),
+             # uneven stages; vocabulary parallel with each schedule, and with uneven stages
+             ("1f1b", 4, 1, False, [3, 1]), ("gpipe", 4, 1, True, None), ("1f1b", 8, 1, True, None),
+             ("interleaved", 4, 2, True, None), ("1f1b", 4, 1, True, [1, 3])]
     results = spawn(_pipeline_grads, 2, cases)
     _check(results, 2)
     assert "transformer.wte.weight" in results[0][0]["names"] and "lm_head.weight" in results[1][0]["names"]
@@ -306,7 +455,65 @@ def test_two_stages_gradients_tied_weight_and_live_activations():
 
 
 def test_four_stages_1f1b():
-    _check(spawn(_pipeline_grads, 4, [("1f1b", 8, 1), ("gpipe", 4, 1)]), 4)
+    _check(spawn(_pipeline_grads, 4, [("1f1b", 8, 1, False, None), ("gpipe", 4, 1, False, None),
+                                      ("1f1b", 8, 1, True, None)]), 4)
+
+
+def _vocab_layer(rank, p):
+    """The vocabulary pass alone against the unsplit head and loss, on random h, weight and targets; returns the max
+    differences of the loss, dh (on the last rank) and this rank's rows of d weight, and which ranks owned targets."""
+    torch.manual_seed(0)
+    N, C, vocab, scale = 64, 32, 50304, 0.25
+    h, weight, y = torch.randn(4, 16, C), torch.randn(vocab, C) * 0.02, torch.randint(0, vocab, (4, 16))  # GPT's scale
+    y[0, :p] = torch.arange(p) * (vocab // p)  # every rank owns some target
+    reference, h_ref = torch.nn.Linear(C, vocab, bias=False), h.clone().requires_grad_()
+    reference.weight.data.copy_(weight)
+    ref_loss = torch.nn.functional.cross_entropy(reference(h_ref).flatten(0, 1), y.flatten())
+    (ref_loss * scale).backward()
+    rows = slice(rank * vocab // p, (rank + 1) * vocab // p)
+    head = torch.nn.Linear(C, vocab // p, bias=False)
+    head.weight.data.copy_(weight[rows])
+    loss, dh = vocab_pass(h.clone(), y, head, rows.start, p - 1, None, scale, contextlib.nullcontext())
+    with torch.no_grad():
+        eval_loss, none = vocab_pass(h.clone(), y, head, rows.start, p - 1, None, scale, contextlib.nullcontext())
+    return dict(loss=abs(loss - ref_loss).item(), eval_loss=abs(eval_loss - ref_loss).item(), none=none,
+                dh=(dh - h_ref.grad).abs().max().item() if dh is not None else None, n=N,
+                dweight=(head.weight.grad - reference.weight.grad[rows]).abs().max().item())
+
+
+def test_vocab_pass_equals_the_unsplit_head_and_loss():
+    for p in (2, 3):  # 50304 = 2^7 * 3 * 131 rows
+        results = spawn(_vocab_layer, p)
+        for rank, r in enumerate(results):
+            assert r["loss"] <= 1e-6 and r["eval_loss"] <= 1e-6 and r["dweight"] <= 1e-6 and r["none"] is None, r
+            assert (r["dh"] <= 1e-6) if rank == p - 1 else r["dh"] is None, r  # dh: summed on the last rank only
+
+
+def _restore(rank, p):
+    """A Pipeline built from a full checkpoint with --vocab_parallel: each rank's lm_head rows and their AdamW state
+    are wte's rows; full_state gives back the checkpoint (rank 0)."""
+    torch.manual_seed(1)
+    model_state = GPT(CONFIG, seed=1).state_dict()
+    optimizer_state = {n: {"step": torch.tensor(3.0), "exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t)}
+                       for n, t in model_state.items() if n != "lm_head.weight"}
+    args = SimpleNamespace(schedule="1f1b", n_microbatches=2, virtual_stages=1, seed=0, grad_accum_steps=1,
+                           dtype="float32", vocab_parallel=True, stage_layers=[CONFIG.n_layer // p] * p,
+                           weight_decay=0.1, learning_rate=1e-3, beta1=0.9, beta2=0.95)
+    model = Pipeline(CONFIG, args, torch.device("cpu"), model_state)
+    optimizer = model.configure_optimizer(args, optimizer_state)
+    rows, head = model.head_rows(rank), dict(model.named_parameters())["lm_head.weight"]
+    ok = torch.equal(head, model_state[WTE][rows]) and all(
+        torch.equal(optimizer.state[head][k], optimizer_state[WTE][k][rows]) for k in ("exp_avg", "exp_avg_sq"))
+    model_back, optimizer_back = model.full_state(optimizer)
+    if rank == 0:
+        ok &= list(model_back) == list(model_state)
+        ok &= all(torch.equal(model_back[n], t) for n, t in model_state.items())
+        ok &= all(torch.equal(optimizer_back[n][k], s[k]) for n, s in optimizer_state.items() for k in s)
+    return ok
+
+
+def test_vocab_parallel_checkpoint_rows_round_trip():
+    assert spawn(_restore, 2) == [True, True]
 
 
 # ---- the script end to end ----------------------------------------------------------------
@@ -394,12 +601,21 @@ def test_timeline_bubble_and_checkpoint_equal_the_reference(shared_run, tmp_path
 
 def test_bubble_theory_and_report_for_interleaved(capsys):
     # 2 ranks, V=2, m=4; one step of 10 s in which rank 0 computed 8 s and rank 1 6 s: idle (2 + 4) / (2 * 10)
-    args = SimpleNamespace(print_schedule=False, implementation="pytorch", virtual_stages=2)
-    report = ScheduleReport(args, SimpleNamespace(pp_size=2, M=4, rank=0))
+    args = SimpleNamespace(print_schedule=False, implementation="pytorch", virtual_stages=2, vocab_parallel=False,
+                           stage_layers=[1, 1, 1, 1], batch_size=16, block_size=CONFIG.block_size)
+    report = ScheduleReport(args, SimpleNamespace(pp_size=2, M=4, rank=0, config=CONFIG))
     report.steps = [[[(F(0), 0.0, 8.0)], [(F(0), 1.0, 4.0), (B(0), 7.0, 10.0)]]]
     run = report.summary()["run"]
     assert run["bubble_theory"] == 1 / 9  # (p-1)/(V*m+p-1) = 1/(2*4+1), not (p-1)/(m+p-1)/V = 1/10
-    assert "theory 11.1% = (p-1)/(V*m+p-1) with p=2, m=4, V=2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "theory 11.1% = (p-1)/(V*m+p-1) with p=2, m=4, V=2" in out
+    # the stage plan's estimate per rank: stages 0, 2 on rank 0 (wte's add: C a token), 1, 3 on rank 1 (the head,
+    # 2VC, and loss, 4V a token); a block 24C^2 + 4TC a token; forward + backward: 3x; 16 x 16 tokens
+    C, T, V = CONFIG.n_embd, CONFIG.block_size, CONFIG.vocab_size
+    block, tokens = 24 * C * C + 4 * T * C, 16 * T
+    estimate = [3 * tokens * (2 * block + C) / 1e9, 3 * tokens * (2 * block + 2 * V * C + 4 * V) / 1e9]
+    assert f"stage 3 (rank 1): blocks 3-3, ln_f, lm_head: {3 * tokens * (block + 2 * V * C + 4 * V) / 1e9:.2f}" in out
+    assert f"per rank: {[round(g, 2) for g in estimate]}" in out
     assert run["bubble_measured"] == pytest.approx(0.3, rel=1e-12)
     assert run["bubble_for_stage_times"] == pytest.approx(for_stage_times([8000, 6000], 4, 2), rel=1e-12)
     assert for_stage_times([8000, 6000], 4, 2) == pytest.approx(1 - 7 / 8.75)  # S: 8 s + 6 s / (m*V)
@@ -411,6 +627,55 @@ def test_print_schedule_is_a_bool_flag():
         return parse_args("pp", add_pp_flags, list(flags)).print_schedule
     assert (parsed(), parsed("--print_schedule"), parsed("--print_schedule=true"),
             parsed("--print_schedule=false")) == (False, True, True, False)
+
+
+def test_vocab_parallel_end_to_end(shared_run, tmp_path):
+    flags = TINY + ["--max_iters", "3", "--vocab_parallel", "--print_schedule"]
+    result = launch("pp_train.py", 2, flags + ["--out_dir", str(tmp_path)], torchrun=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout  # the stage plan: the last stage without lm_head, the vocabulary pass on both ranks
+    assert "stage 1 (rank 1): blocks 1-1, ln_f: " in out and "vocabulary pass, every rank: lm_head rows r*25152" in out
+    for rank in range(2):  # the timeline draws every rank's vocabulary passes (a short F or B may show as one letter)
+        assert re.search(rf"rank {rank} \|.*V0-.*V1-.*V2-.*V3-.*\|", out), out
+    reference = step_losses(shared_run("ddp_train.py", None, TINY + ["--max_iters", "3"])[0])
+    assert max(abs(a - b) for a, b in zip(step_losses(tmp_path), reference)) <= 1e-5  # the parity tolerance
+
+
+def _stage_plan_error(flags, nproc):
+    args = parse_args("pp", add_pp_flags, TINY + flags)
+    with pytest.raises(SystemExit) as exit_:
+        check_pp_args(args, nproc)
+    return exit_.value.code
+
+
+BAD_STAGES = [
+    (["--stage_layers", "2,1"], 2, "--stage_layers: every stage needs >= 1 block and they must sum to --n_layer (2)"),
+    (["--n_layer", "3", "--stage_layers", "3,0"], 2, "--stage_layers: every stage needs >= 1 block"),
+    (["--stage_layers", "2"], 2, "--stage_layers: 1 entries for 2 stages"),
+    (["--stage_layers", "1,x"], 2, "--stage_layers: a comma-separated list of integers"),
+    (["--n_layer", "4", "--schedule", "interleaved", "--stage_layers", "2,1,1"], 2, "--stage_layers: 3 entries for 4"),
+    (["--n_layer", "5", "--vocab_parallel"], 5, "--vocab_parallel: --vocab_size (50304) must be divisible by the "
+                                                "number of ranks (5)"),
+    (["--vocab_parallel", "--vocab_size", "50305"], 2, "--vocab_parallel: --vocab_size (50305)"),
+    (["--vocab_parallel"], 1, "--vocab_parallel: true needs --implementation custom and at least 2 ranks"),
+    (["--vocab_parallel", "--implementation", "pytorch"], 2, "--vocab_parallel: true needs --implementation custom"),
+]
+
+
+@pytest.mark.parametrize("flags,nproc,error", BAD_STAGES, ids=[" ".join(f) + f"-{n}r" for f, n, _ in BAD_STAGES])
+def test_bad_stage_layers_and_vocab_parallel(flags, nproc, error, capsys):
+    # check_pp_args in process (the launches in test_bad_input show the same die() is one line and exit 2 there)
+    assert _stage_plan_error(flags, nproc) == 2
+    assert capsys.readouterr().err.startswith(f"error: {error}")
+
+
+def test_uneven_stage_layers_are_accepted():
+    args = parse_args("pp", add_pp_flags, TINY + ["--n_layer", "3", "--stage_layers", "2,1"])
+    check_pp_args(args, 2)
+    assert args.stage_layers == [2, 1]
+    args = parse_args("pp", add_pp_flags, TINY + ["--n_layer", "4"])
+    check_pp_args(args, 2)
+    assert args.stage_layers == [2, 2]  # the default: an even split
 
 
 BAD_INPUT = [
