@@ -1,18 +1,22 @@
 """zero3_train.py: partition, gradients equal to one process, memory and communication ledgers,
-bf16 (what autograd saves, half the broadcast bytes), checkpoint round trip, more ranks than tensors, bad input."""
+bf16 (what autograd saves, half the broadcast bytes), checkpoint round trip, more ranks than tensors, bad input;
+stages 1 and 2 and stage 1's peer (DDP + ZeroRedundancyOptimizer): one step equal to one process, memory and
+communication ledgers, the peer's consolidated checkpoint; resume across the stages."""
 import re
+from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import TINY, launch, read_metrics, spawn, step_losses, the_one_error
+from conftest import PARITY, PARITY_STEPS, TINY, launch, read_metrics, spawn, step_losses, the_one_error
+from common.distributed import clip_grad_norm_
 from common.config import parse_args
 from common.data import get_batch
 from common.metrics import held_bytes, model_state_bytes
 from common.model import GPT, PRESETS, GPTConfig, configure_optimizer, init_tensor
-from zero3_train import ZeRO3, Zero3, add_zero3_flags, gather_full_state, materialize_owned_, partition
+from zero3_train import STAGES, ZeRO3, Zero3, add_zero3_flags, gather_full_state, materialize_owned_, partition
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)  # wte is 97% of P
 BALANCED = GPTConfig(block_size=16, vocab_size=256, n_layer=4, n_head=2, n_embd=64)  # no dominant tensor
@@ -95,7 +99,8 @@ def _all_checks(rank, world_size):
             "communication": {case: _communication(rank, world_size, *case) for case in COMMUNICATION_CASES},
             "communication_bf16": _communication(rank, world_size, *COMMUNICATION_CASES[0], torch.bfloat16),
             "saved_bf16": _saved_tensors_bf16(rank, world_size),
-            "checkpoint": _checkpoint(rank, world_size)}
+            "checkpoint": _checkpoint(rank, world_size),
+            "stages": {case: _stage_step(rank, world_size, *case) for case in STAGE_CASES}}
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +207,9 @@ def test_memory_ledger(ranks, case):
 
 # ---- communication ledger -------------------------------------------------------------------------
 
-def _communication(rank, world_size, threshold, accum, reuse, dtype=torch.float32):
-    model, zero3 = _build(rank, world_size, CONFIG, threshold, reuse=reuse, dtype=dtype)
+@contextmanager
+def counting_collectives():
+    """Yields {collective: [bytes of each tensor handed to it]} while dist.broadcast/reduce/all_reduce are wrapped."""
     sent = {"broadcast": [], "reduce": [], "all_reduce": []}
     originals = {name: getattr(dist, name) for name in sent}
 
@@ -216,11 +222,17 @@ def _communication(rank, world_size, threshold, accum, reuse, dtype=torch.float3
     for name in sent:
         setattr(dist, name, counting(name))
     try:
-        x, y = _rows(rank, world_size, CONFIG)
-        _backward(model, zero3, x, y, accum, world_size, dtype)
+        yield sent
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+
+
+def _communication(rank, world_size, threshold, accum, reuse, dtype=torch.float32):
+    model, zero3 = _build(rank, world_size, CONFIG, threshold, reuse=reuse, dtype=dtype)
+    with counting_collectives() as sent:
+        x, y = _rows(rank, world_size, CONFIG)
+        _backward(model, zero3, x, y, accum, world_size, dtype)
     sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}  # what the model computes with
     grads = {n: held_bytes([zero3.masters[p].grad]) for n, p in model.named_parameters() if p in zero3.masters}
     owner = {n: zero3.owner[p] for n, p in model.named_parameters()}
@@ -272,7 +284,7 @@ def _saved_tensors_bf16(rank, world_size):
     gradient bytes after backward: of the model's parameters and of the fp32 masters."""
     strategy = ZeRO3(CONFIG, parse_args("zero3", add_zero3_flags, ["--dtype", "bfloat16", "--seed", "0"]),
                      torch.device("cpu"))
-    zero3, storages, after_forward = strategy.zero3, {"weight": [], "copy": []}, []
+    zero3, storages, after_forward = strategy.zero, {"weight": [], "copy": []}, []
     nonowned = [p for p in zero3.owner if zero3.owner[p] not in (None, rank)]
     copies = {}  # address -> storage: kept alive here, so no other storage takes its address
 
@@ -328,7 +340,7 @@ def _checkpoint(rank, world_size):
     x, y = _rows(rank, world_size, CONFIG)
     _backward(model, zero3, x, y, 1, world_size)
     optimizer.step()
-    state, optim = gather_full_state(model, optimizer, zero3)
+    state, optim = gather_full_state(model, optimizer, zero3.owner, zero3.masters)
     mine = {n: dict(param=zero3.masters[p], **optimizer.state[zero3.masters[p]])
             for n, p in model.named_parameters() if p in zero3.masters}
     every = [None] * world_size if rank == 0 else None
@@ -361,6 +373,103 @@ def test_checkpoint_round_trip_gives_identical_logits(ranks):
     assert equal, "every gathered value and AdamW state must equal its owner's"
 
 
+# ---- stages 1 and 2, and stage 1's peer: one optimizer step of the strategy class --------------------------
+
+STAGE_CASES = [("custom", 1, 0, 1), ("custom", 1, SMALL_TENSORS, 2), ("custom", 2, 0, 1), ("custom", 2, SMALL_TENSORS, 2),
+               ("pytorch", 1, 0, 1)]  # (implementation, stage, --persistence_threshold, --grad_accum_steps)
+STAGE_LR = 1e-2  # the decoupled weight decay (lr x 0.1 x w) moves a weight by more than the 1e-6 tolerance
+
+
+def _storage_bytes(tensors):
+    """The bytes of the distinct storages behind `tensors`: what is held, each buffer once however many views."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}.values())
+
+
+def _stage_step(rank, world_size, implementation, stage, threshold, accum):
+    args = parse_args("zero3", add_zero3_flags, ["--stage", str(stage), "--implementation", implementation, "--seed",
+                                                 "0", "--learning_rate", str(STAGE_LR), "--grad_accum_steps",
+                                                 str(accum), "--persistence_threshold", str(threshold)])
+    strategy = STAGES[implementation][stage](BALANCED, args, torch.device("cpu"))
+    optimizer = strategy.configure_optimizer(args)
+    model, (x, y), micro = strategy.model, _rows(rank, world_size, BALANCED), 8 // world_size // accum
+    names = {p: n for n, p in model.named_parameters()}
+    with counting_collectives() as sent:
+        for j in range(accum):
+            strategy.forward_backward(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro], j == accum - 1)
+        grads = _storage_bytes(p.grad for p in model.parameters())  # held after backward
+        norm = strategy.clip_grad_norm_(1.0)
+        optimizer.step()
+    moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    full = strategy.full_state(optimizer)[1] if implementation == "pytorch" else None  # collective
+    return dict(sent=sent, norm=norm.item(), params={n: p.detach().clone() for n, p in model.named_parameters()},
+                param_bytes=_storage_bytes(model.parameters()), grad_bytes=grads, adamw_bytes=held_bytes(moments),
+                model_state=model_state_bytes(optimizer), kept=sorted(names[p] for p in optimizer.state),
+                state={names[p]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()},
+                full=full, sizes={n: 4 * p.numel() for n, p in model.named_parameters()})
+
+
+@pytest.fixture(scope="module")
+def one_process_step():
+    """One optimizer step of the plain single-process loop on the same 8 rows: its parameters, where they are
+    comparable, and grad norm. AdamW's first step moves an element by lr x g / (|g| + 1e-8): where |g| is within a
+    few eps of 0, the rounding of g's sum (other rows per rank, another order) changes it by up to lr; those
+    elements (a few of the 218k) are left out, the others must agree to 1e-6."""
+    model = GPT(BALANCED, seed=0)
+    x, y = _rows(0, 1, BALANCED)
+    model(x, y)[1].backward()
+    comparable = {n: p.grad.abs() >= 1e-6 for n, p in model.named_parameters()}
+    norm = clip_grad_norm_(None, [p.grad for p in model.parameters()], 1.0)
+    configure_optimizer(model.named_parameters(), 0.1, STAGE_LR, (0.9, 0.95)).step()
+    return {n: (p.detach(), comparable[n]) for n, p in model.named_parameters()}, norm.item()
+
+
+@pytest.mark.parametrize("case", STAGE_CASES, ids=[f"{i}-stage{s}-threshold{t}-accum{a}" for i, s, t, a in STAGE_CASES])
+def test_stage_ledgers(ranks, one_process_step, case):
+    implementation, stage, threshold, accum = case
+    results = [r["stages"][case] for r in ranks]
+    reference, reference_norm = one_process_step
+    sizes = results[0]["sizes"]
+    P = sum(sizes.values())  # bytes of the fp32 parameters: 4 per element
+    persistent = [n for n in sizes if all(n in r["kept"] for r in results)]  # every rank keeps their AdamW state
+    assert len(persistent) == (0 if threshold == 0 else 34), persistent  # BALANCED's biases and LayerNorms
+    for rank, r in enumerate(results):
+        # one step equals one process: every rank holds the whole model, the same after the owners' broadcasts
+        assert max((r["params"][n] - p)[mask].abs().max().item() for n, (p, mask) in reference.items()) <= 1e-6
+        assert all(torch.equal(r["params"][n], results[0]["params"][n]) for n in sizes)
+        assert abs(r["norm"] - reference_norm) <= 1e-6
+        kept = sum(sizes[n] for n in r["kept"])  # owned + persistent, bytes of fp32 values
+        # memory, from the storages held: 4P params; 4P gradients (stage 1) or the kept ones only (stage 2);
+        # AdamW's exp_avg and exp_avg_sq for the kept tensors only (8 bytes an element); the state bytes the
+        # script reports count the same, and AdamW's 4-byte step per kept tensor
+        assert r["param_bytes"] == P
+        assert r["grad_bytes"] == (P if stage == 1 else kept)
+        assert r["adamw_bytes"] == 2 * kept
+        assert r["model_state"] == r["param_bytes"] + r["grad_bytes"] + r["adamw_bytes"] + 4 * len(r["kept"])
+        # communication per step: stage 1 all-reduces the 4P of gradients once a step, whatever the
+        # accumulation; stage 2 reduces each partitioned gradient to its owner on every micro-step and all-reduces
+        # the persistent ones once; both end with one broadcast per owner of its updated tensors (the norm: 4 bytes)
+        sent, owned = r["sent"], {n for n in sizes if n in r["kept"] and n not in persistent}
+        partitioned = [n for n in sizes if n not in persistent]
+        owners = [q for q in results if any(n not in persistent for n in q["kept"])]
+        assert sent["broadcast"] == [sum(sizes[n] for n in q["kept"] if n not in persistent) for q in owners]
+        assert sum(sent["broadcast"]) == sum(sizes[n] for n in partitioned)
+        if stage == 1 and implementation == "custom":
+            assert sent["all_reduce"][-1] == 4 and sum(sent["all_reduce"][:-1]) == P and sent["reduce"] == []
+        elif stage == 2:
+            assert sorted(sent["reduce"]) == sorted(accum * [sizes[n] for n in partitioned])
+            assert sorted(sent["all_reduce"]) == sorted([4] + [sizes[n] for n in persistent])
+        else:  # DDP's all-reduces run in its C++ reducer, out of sight of the wrapped Python collectives
+            assert sent["all_reduce"] == [4] and sent["reduce"] == []
+        print(f"{case} rank {rank}: params {r['param_bytes']:,} grads {r['grad_bytes']:,} AdamW {r['adamw_bytes']:,} "
+              f"(owned {sum(sizes[n] for n in owned):,} of {P:,}); sent {({k: sum(v) for k, v in sent.items()})}")
+    # the AdamW state is split: over the ranks exactly 8 bytes per element, and 8 more per other copy of a persistent one
+    assert sum(r["adamw_bytes"] for r in results) == 2 * P + (len(results) - 1) * 2 * sum(sizes[n] for n in persistent)
+    if implementation == "pytorch":  # consolidate_state_dict(to=0): rank 0 holds every owner's AdamW state
+        full = results[0]["full"]
+        assert sorted(full) == sorted(sizes) and results[1]["full"] is None
+        assert all(torch.equal(full[n][k], v) for r in results for n, s in r["state"].items() for k, v in s.items())
+
+
 # ---- the script: more ranks than tensors, checkpoint file, bad input ------------------------------
 
 def test_ranks_owning_nothing_warn_and_still_train(tmp_path):
@@ -387,6 +496,34 @@ def test_ranks_owning_nothing_warn_and_still_train(tmp_path):
     again = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     assert again["step"] == 3 and all(torch.equal(again["model"][k], v) for k, v in ckpt["model"].items())
     assert all(torch.equal(again["optimizer"][n][k], v) for n, s in ckpt["optimizer"].items() for k, v in s.items())
+
+
+def test_resume_across_stages_matches_one_process(shared_run, tmp_path):
+    """One full checkpoint format in every stage: 15 steps as stage 1 (to step 4), stage 1's peer DDP +
+    ZeroRedundancyOptimizer (to 8: it loads its owned AdamW state, then consolidates it for the checkpoint),
+    stage 3 (to 11) and stage 2 (to 15) equal the single-process reference (test_parity.py's run) within 1e-5."""
+    flags = PARITY + ["--lr_decay_iters", str(PARITY_STEPS), "--out_dir", str(tmp_path)]  # one lr schedule
+    legs = [(1, "custom", 4), (1, "pytorch", 8), (3, "custom", 11), (2, "custom", PARITY_STEPS)]
+    for k, (stage, implementation, until) in enumerate(legs):
+        result = launch("zero3_train.py", 2, flags + ["--stage", str(stage), "--implementation", implementation,
+                                                       "--max_iters", str(until)] + (["--resume"] if k else []),
+                        torchrun=False)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert k == 0 or f"at step {legs[k - 1][2]} (written by zero3_train.py)" in result.stdout
+    losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path) if "loss" in r}
+    reference = step_losses(shared_run("ddp_train.py", None, PARITY + ["--max_iters", str(PARITY_STEPS)])[0])
+    assert sorted(losses) == list(range(PARITY_STEPS))
+    delta = max(abs(losses[s] - reference[s]) for s in range(PARITY_STEPS))
+    print(f"stage 1 -> its peer -> stage 3 -> stage 2: max |dloss| vs one process = {delta:.2e}")
+    assert delta <= 1e-5
+
+
+def test_stage_2_has_no_pytorch_peer_and_stage_3_flags_need_stage_3(tmp_path):
+    args = TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)]
+    error = the_one_error("zero3_train.py", None, args + ["--stage", "2", "--implementation", "pytorch"])
+    assert error.startswith("error: --stage: 2 has no PyTorch peer")
+    error = the_one_error("zero3_train.py", None, args + ["--stage", "1", "--max_reuse_distance", "0"])
+    assert error == "error: --max_reuse_distance: 0 applies to --stage 3 only"
 
 
 BAD_INPUT = [(["--prefetch", "false"], "--prefetch: false"),
