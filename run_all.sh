@@ -6,7 +6,8 @@
 #   ./run_all.sh --bench   a longer config; custom and pytorch runs alternate for $ROUNDS rounds in one
 #                          invocation, next to one process using every core on the same global batch
 #                          (the limit on one machine); prints tokens/s, peak memory and the ratios.
-# Environment: NPROC (ranks, default 2), ROUNDS (bench rounds, default 3), PYTHON (default python3).
+# Environment: NPROC (ranks, default 2), ROUNDS (bench rounds, default 3), PYTHON (default python3),
+#              ONLY (a subset of strategies, e.g. ONLY="ddp zero3 pp"; default every script present).
 set -uo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
@@ -22,7 +23,8 @@ if [ ! -f data/shakespeare/input.txt ] && [ -f ../shared/data/tinyshakespeare/in
   mkdir -p data/shakespeare && cp ../shared/data/tinyshakespeare/input.txt data/shakespeare/input.txt
 fi
 
-SCRIPTS=$(for s in ddp fsdp zero3 tp pp cp; do [ -f "${s}_train.py" ] && echo "$s"; done)
+SCRIPTS=$(for s in ${ONLY:-ddp fsdp zero3 tp pp cp}; do [ -f "${s}_train.py" ] && echo "$s"; done)
+has() { [[ " $(echo $SCRIPTS) " == *" $1 "* ]]; }
 CUDA=$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))")
 RUNS=runs/$MODE
 rm -rf "$RUNS" && mkdir -p "$RUNS"
@@ -64,6 +66,18 @@ else
   for r in $(seq 1 "$ROUNDS"); do
     run "limit-1proc-r$r" 1 ddp_train.py $FLAGS  # one process, all cores, same global batch
     run_strategies "-r$r"
+    # Variants compared with each other in the same rounds (common.report prints their ratios): ZeRO's
+    # stages 1 and 2 (stage 3 is zero3 above) and stage 1's peer, DDP + ZeroRedundancyOptimizer; the
+    # pipeline at 1F1B with 8 micro-batches, with and without the head split over the stages.
+    if has zero3; then
+      run "zero3-stage1-custom-r$r" "$NPROC" zero3_train.py $FLAGS --stage 1
+      run "zero3-stage1-pytorch-r$r" "$NPROC" zero3_train.py $FLAGS --stage 1 --implementation pytorch
+      run "zero3-stage2-custom-r$r" "$NPROC" zero3_train.py $FLAGS --stage 2
+    fi
+    if has pp; then
+      run "pp-1f1b-m8-custom-r$r" "$NPROC" pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8
+      run "pp-1f1b-m8-vocab-custom-r$r" "$NPROC" pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8 --vocab_parallel
+    fi
   done
   # Each strategy's own claims, one run each (runs/bench-extra): FSDP's exposed communication with
   # prefetch on and off; ZeRO-3's broadcast/reduce waits per rank (wte kept or not, prefetch off);
@@ -71,7 +85,7 @@ else
   # schedule and micro-batch count; CP's modes at a block of 1024 (where attention matters) against one
   # process on every core, ring with and without zigzag, and the saved activations of one process.
   RUNS=runs/bench-extra && rm -rf "$RUNS" && mkdir -p "$RUNS"
-  extra() { [ -f "$3" ] && run "$@"; }
+  extra() { has "${3%_train.py}" && run "$@"; }
   extra fsdp-custom-prefetch "$NPROC" fsdp_train.py $FLAGS --prefetch true
   extra fsdp-custom-noprefetch "$NPROC" fsdp_train.py $FLAGS --prefetch false
   extra zero3-custom "$NPROC" zero3_train.py $FLAGS  # where its time goes: broadcast/reduce waits
@@ -86,9 +100,14 @@ else
       extra pp-custom-$schedule-m$m 2 pp_train.py $FLAGS --schedule $schedule --n_microbatches $m --print_schedule
     done
   done
+  # The head split over the ranks (small preset), and a model where uneven stages alone balance the head
+  # (n_layer >= vocab / (12 n_embd): 10 blocks of 512, the last stage one block and the head).
+  extra pp-custom-1f1b-m8-vocab 2 pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8 --vocab_parallel --print_schedule
+  extra pp-custom-1f1b-m8-stagelayers 2 pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8 --print_schedule \
+    --n_embd 512 --n_head 8 --n_layer 10 --stage_layers 9,1 --block_size 32 --batch_size 8 --max_iters 10 --warmup_iters 2
   CP="--block_size 1024 --batch_size 2 --max_iters 10 --warmup_iters 2"  # about 2 s a step here
-  if [ -f cp_train.py ]; then
-    extra cp-limit-1proc-T1024 1 ddp_train.py $FLAGS $CP
+  if has cp; then
+    run cp-limit-1proc-T1024 1 ddp_train.py $FLAGS $CP
     extra cp-custom-1proc-T1024 1 cp_train.py $FLAGS $CP  # saved activations of one process, same meter
     for mode in ring allgather ulysses; do
       extra cp-custom-$mode-T1024 "$NPROC" cp_train.py $FLAGS $CP --cp_mode $mode

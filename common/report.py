@@ -68,6 +68,15 @@ def smoke(runs_dir):
     return 0
 
 
+COMPARE = [  # (strategy, implementation) pairs whose tokens/s ratio the bench prints: run_all.sh's variants
+    (("zero3-stage1", "custom"), ("zero3-stage1", "pytorch")),  # vs DDP + ZeroRedundancyOptimizer
+    (("zero3-stage1", "custom"), ("ddp", "custom")),  # only the optimizer is split
+    (("zero3-stage2", "custom"), ("zero3-stage1", "custom")),
+    (("zero3", "custom"), ("zero3-stage2", "custom")),
+    (("pp-1f1b-m8-vocab", "custom"), ("pp-1f1b-m8", "custom")),  # the head split over the pipeline ranks
+]
+
+
 def bench(runs_dir):
     rounds = {}  # (strategy, implementation) -> [run, ...]
     for name in sorted(os.listdir(runs_dir)):
@@ -75,17 +84,19 @@ def bench(runs_dir):
             strategy, implementation, _ = name.rsplit("-", 2)
             rounds.setdefault((strategy, implementation), []).append(load(os.path.join(runs_dir, name)))
     medians, failed = {}, []
-    print(f"{'strategy':<10} {'impl':<8} {'tokens/s (median of rounds)':>28} {'per round':>28} {'peak MiB/rank':>14}")
+    print(f"{'strategy':<20} {'impl':<8} {'tokens/s (median of rounds)':>28} {'per round':>28} {'peak MiB/rank':>14} "
+          f"{'model state MiB/rank':>21}")
     for (strategy, implementation), runs in sorted(rounds.items()):
         if not all(r["ok"] for r in runs):
             failed.append(f"{strategy}-{implementation}")
-            print(f"{strategy:<10} {implementation:<8} FAILED")
+            print(f"{strategy:<20} {implementation:<8} FAILED")
             continue
         per_round = [r["summary"]["tokens_per_sec"] for r in runs]
         medians[(strategy, implementation)] = statistics.median(per_round)
         peak = max(max(r["summary"]["peak_mem_bytes_per_rank"]) for r in runs)
-        print(f"{strategy:<10} {implementation:<8} {statistics.median(per_round):>28,.0f} "
-              f"{' '.join(f'{t:,.0f}' for t in per_round):>28} {mib(peak):>14}")
+        state = "/".join(mib(b) for b in runs[0]["summary"]["model_state_bytes_per_rank"])
+        print(f"{strategy:<20} {implementation:<8} {statistics.median(per_round):>28,.0f} "
+              f"{' '.join(f'{t:,.0f}' for t in per_round):>28} {mib(peak):>14} {state:>21}")
     print()
     limit = medians.get(("limit", "1proc"))
     for (strategy, implementation), tps in sorted(medians.items()):
@@ -93,6 +104,9 @@ def bench(runs_dir):
             print(f"{strategy}: custom/pytorch tokens/s = {tps / medians[(strategy, 'pytorch')]:.3f}")
         if limit and strategy not in ("limit",):
             print(f"{strategy} {implementation}: tokens/s vs one process on all cores = {tps / limit:.3f}")
+    for a, b in COMPARE:
+        if a in medians and b in medians:
+            print(f"{'-'.join(a)} / {'-'.join(b)} tokens/s = {medians[a] / medians[b]:.3f}")
     if failed:
         print("FAILED: " + ", ".join(failed))
         return 1
@@ -105,7 +119,7 @@ EXTRA_KEYS = {  # summary key -> (column, format)
     "bubble_measured": ("bubble", lambda v: f"{v:.1%}"),
     "bubble_theory": ("theory", lambda v: f"{v:.1%}"),
     "bubble_for_stage_times": ("for these stage times", lambda v: f"{v:.1%}"),
-    "peak_activation_bytes_per_rank": ("peak act. MiB/rank", lambda v: f"{max(v) / 2**20:.1f}"),
+    "peak_activation_bytes_per_rank": ("peak act. MiB/rank", lambda v: "/".join(f"{x / 2**20:.1f}" for x in v)),
     "compute_ms_per_rank": ("F+B ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
     "broadcast_wait_ms_per_rank": ("broadcast wait ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
     "reduce_wait_ms_per_rank": ("reduce wait ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),

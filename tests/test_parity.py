@@ -32,20 +32,30 @@ STRATEGIES = [
     ("cp_train.py", "custom", 2, ["--cp_mode", "allgather", "--block_size", "24"]),
     ("cp_train.py", "custom", 2, ["--cp_mode", "ulysses"]),
     ("cp_train.py", "custom", 4, ["--context_parallel_size", "2", "--grad_accum_steps", "2"]),
-    # pp: every schedule custom + pytorch at 2 stages (interleaved: 2 x 2 chunks of 1 layer), 1F1B at 4 stages
+    # pp: every schedule custom + pytorch at 2 stages (interleaved: 2 x 2 chunks of 1 layer), each custom one also
+    # with the head split over the ranks (--vocab_parallel), 1F1B at 4 stages with it; uneven stages (pytorch: gpipe)
     ("pp_train.py", "custom", 2, ["--schedule", "gpipe"]),
-    ("pp_train.py", "pytorch", 2, ["--schedule", "gpipe"]),
+    ("pp_train.py", "custom", 2, ["--schedule", "gpipe", "--vocab_parallel"]),
+    ("pp_train.py", "pytorch", 2, ["--schedule", "gpipe", "--n_layer", "3", "--stage_layers", "2,1"]),
     ("pp_train.py", "custom", 2, ["--schedule", "1f1b", "--grad_accum_steps", "2"]),
+    ("pp_train.py", "custom", 2, ["--schedule", "1f1b", "--vocab_parallel", "--grad_accum_steps", "2"]),
     ("pp_train.py", "pytorch", 2, ["--schedule", "1f1b", "--grad_accum_steps", "2"]),
+    ("pp_train.py", "custom", 2, ["--schedule", "1f1b", "--n_layer", "3", "--stage_layers", "2,1"]),
     ("pp_train.py", "custom", 2, ["--schedule", "interleaved", "--n_layer", "4"]),
+    ("pp_train.py", "custom", 2, ["--schedule", "interleaved", "--n_layer", "4", "--vocab_parallel"]),
     ("pp_train.py", "pytorch", 2, ["--schedule", "interleaved", "--n_layer", "4"]),
-    ("pp_train.py", "custom", 4, ["--schedule", "1f1b", "--n_layer", "4"]),
+    ("pp_train.py", "custom", 4, ["--schedule", "1f1b", "--n_layer", "4", "--vocab_parallel"]),
     # zero3: default (all partitioned); 4 ranks with biases/LayerNorms persistent; accumulation without prefetch.
     # (PyTorch's FSDP2, the peer of both fsdp and zero3, runs at 2 ranks in three rows: with accumulation in fsdp's.)
     ("zero3_train.py", "custom", 2, []),
     ("zero3_train.py", "pytorch", 2, []),
     ("zero3_train.py", "custom", 4, ["--persistence_threshold", "1024"]),
     ("zero3_train.py", "custom", 2, ["--grad_accum_steps", "2", "--prefetch", "false"]),
+    # zero3 --stage 1/2: ZeRO-1 custom and DDP + ZeroRedundancyOptimizer (with accumulation), ZeRO-2 at 2 and 4 ranks
+    ("zero3_train.py", "custom", 2, ["--stage", "1"]),
+    ("zero3_train.py", "pytorch", 2, ["--stage", "1", "--grad_accum_steps", "2"]),
+    ("zero3_train.py", "custom", 2, ["--stage", "2"]),
+    ("zero3_train.py", "custom", 4, ["--stage", "2", "--grad_accum_steps", "2"]),
     # tp: TP=2 (SP off, loss_parallel on); TP=2 SP on + loss_parallel off; 2D DP 2 x TP 2, SP on, 2 micro-steps
     ("tp_train.py", "custom", 2, []),
     ("tp_train.py", "pytorch", 2, []),

@@ -13,7 +13,8 @@ def fake_run(runs, name, losses, exit_code=0, tokens_per_sec=1000.0, summary=Tru
             f.write(json.dumps({"step": step, "loss": loss}) + "\n")
         if summary:
             f.write(json.dumps({"summary": True, "tokens_per_sec": tokens_per_sec,
-                                "peak_mem_bytes_per_rank": [2**20, 2**21]}) + "\n")
+                                "peak_mem_bytes_per_rank": [2**20, 2**21],
+                                "model_state_bytes_per_rank": [3 * 2**20, 5 * 2**20]}) + "\n")
 
 
 def test_smoke_passes_when_every_run_matches_the_reference(tmp_path, capsys):
@@ -46,6 +47,19 @@ def test_bench_ratios_use_the_median_of_alternating_rounds(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "ddp: custom/pytorch tokens/s = 1.100" in out
     assert "ddp custom: tokens/s vs one process on all cores = 1.100" in out
+    assert "3/5" in out  # model state MiB per rank
+
+
+def test_bench_prints_the_ratios_of_the_variants(tmp_path, capsys):
+    for r, (stage1, peer, ddp) in enumerate([(90, 100, 100), (120, 100, 100), (99, 90, 110)], 1):
+        fake_run(tmp_path, f"zero3-stage1-custom-r{r}", [1.0], tokens_per_sec=stage1)
+        fake_run(tmp_path, f"zero3-stage1-pytorch-r{r}", [1.0], tokens_per_sec=peer)
+        fake_run(tmp_path, f"ddp-custom-r{r}", [1.0], tokens_per_sec=ddp)
+    assert report.bench(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "zero3-stage1-custom / zero3-stage1-pytorch tokens/s = 0.990" in out
+    assert "zero3-stage1-custom / ddp-custom tokens/s = 0.990" in out
+    assert "pp-1f1b-m8-vocab" not in out  # a pair with no runs prints nothing
 
 
 def test_extra_table_shows_strategy_specific_keys_and_fails_on_a_crash(tmp_path, capsys):
