@@ -1,4 +1,5 @@
 """Shared test plumbing: offline data, launching scripts under torchrun, spawning gloo ranks."""
+import importlib
 import json
 import os
 import pickle
@@ -12,6 +13,7 @@ import tempfile
 import time
 
 import pytest
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,6 +107,25 @@ def the_one_error(script, nproc, args):
     assert len(errors) == 1, result.stderr[-2000:]
     assert not re.search(rf'File ".*({re.escape(script)}|common/)', output), result.stderr[-2000:]
     assert time.time() - start < 30
+    return errors[0]
+
+
+def refusal(script, nproc, args, monkeypatch, capsys):
+    """The error line of a script's flag checks, in this process: its main() on `args` as one of `nproc` ranks
+    (WORLD_SIZE; rank 0) must stop before any process group, with exit code 2 and exactly one "error:" line.
+    The same die() end to end, under torchrun and on every rank, is the_one_error's (test_reliability's sweep runs
+    it for every script); this costs no launch, so each script's own bad-flag tables use it."""
+    module = importlib.import_module(script[:-3])
+    monkeypatch.setenv("WORLD_SIZE", str(nproc or 1))
+    monkeypatch.delenv("RANK", raising=False)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            module.main(list(args))
+    finally:  # a check that let the input through went on to set up: leave no group to the next test
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert stop.value.code == 2 and len(errors) == 1, errors
     return errors[0]
 
 

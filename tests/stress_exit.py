@@ -14,7 +14,6 @@ import argparse
 import multiprocessing as mp
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time

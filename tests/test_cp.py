@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import TINY, spawn, the_one_error
+from conftest import TINY, refusal, spawn
 from common.metrics import SavedActivations
 from common.model import GPT, GPTConfig
 from cp_train import AllGatherAttention, CPGroup, CPGPT, RingAttention, causal_window, positions, ulysses_attention
@@ -173,7 +173,7 @@ def test_saved_activations_at_cp2_are_at_most_055_of_one_process(unit):
                 assert nbytes <= 0.55 * saved["one process"], (key, nbytes, saved["one process"])
 
 
-BAD_INPUT = [  # checked before any process group exists: fast even at 2 and 4 ranks
+BAD_INPUT = [
     (2, ["--block_size", "30"], "--block_size"),  # zigzag: 2cp = 4 chunks
     (2, ["--block_size", "31", "--load_balance", "false"], "--block_size"),
     (2, ["--cp_mode", "ulysses", "--n_head", "3", "--n_embd", "48"], "--n_head"),
@@ -184,12 +184,13 @@ BAD_INPUT = [  # checked before any process group exists: fast even at 2 and 4 r
 
 
 @pytest.mark.parametrize("nproc,flags,named", BAD_INPUT, ids=[" ".join(f) + f"-{n or 1}r" for n, f, _ in BAD_INPUT])
-def test_bad_input(nproc, flags, named, tmp_path):
-    assert named in the_one_error("cp_train.py", nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags)
+def test_bad_input(nproc, flags, named, tmp_path, monkeypatch, capsys):
+    assert named in refusal("cp_train.py", nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags,
+                            monkeypatch, capsys)
 
 
-def test_pytorch_implementation_on_cpu_is_one_clear_error(tmp_path):
+def test_pytorch_implementation_on_cpu_is_one_clear_error(tmp_path, monkeypatch, capsys):
     """torch's context_parallel has sharding rules for CUDA's SDPA kernels only (CPU: NotImplementedError)."""
-    error = the_one_error("cp_train.py", 2, TINY + ["--device", "cpu", "--implementation", "pytorch",
-                                                     "--out_dir", str(tmp_path)])
+    error = refusal("cp_train.py", 2, TINY + ["--device", "cpu", "--implementation", "pytorch",
+                                               "--out_dir", str(tmp_path)], monkeypatch, capsys)
     assert error.startswith("error: --implementation:") and "CUDA" in error

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from conftest import TINY, launch, read_metrics, spawn, the_one_error
+from conftest import TINY, launch, read_metrics, refusal, spawn, the_one_error
 from common.config import parse_args
 from common.data import get_batch
 from common.distributed import clip_grad_norm_
@@ -355,8 +355,9 @@ BAD_INPUT = [
 
 
 @pytest.mark.parametrize("flags,named", BAD_INPUT, ids=[" ".join(f) for f, _ in BAD_INPUT])
-def test_flags_that_do_not_apply_give_one_clear_error(flags, named, tmp_path):
-    assert named in the_one_error("fsdp_train.py", None, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags)
+def test_flags_that_do_not_apply_give_one_clear_error(flags, named, tmp_path, monkeypatch, capsys):
+    assert named in refusal("fsdp_train.py", None, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags,
+                            monkeypatch, capsys)
 
 
 class Killed(Exception):

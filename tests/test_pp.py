@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pp_train
-from conftest import TINY, launch, read_metrics, spawn, step_losses, the_one_error
+from conftest import TINY, launch, read_metrics, refusal, spawn, step_losses
 from common.config import parse_args
 from common.data import get_batch
 from common.model import GPT, GPTConfig
@@ -689,6 +689,7 @@ BAD_INPUT = [
 
 
 @pytest.mark.parametrize("nproc,flags,named", BAD_INPUT, ids=[" ".join(f) + f"-{n or 1}r" for n, f, _ in BAD_INPUT])
-def test_bad_input(nproc, flags, named, tmp_path):
-    error = the_one_error("pp_train.py", nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags)
+def test_bad_input(nproc, flags, named, tmp_path, monkeypatch, capsys):
+    error = refusal("pp_train.py", nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags,
+                    monkeypatch, capsys)
     assert error.startswith(f"error: {named}") or f"argument {named}" in error, error

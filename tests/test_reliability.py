@@ -281,7 +281,8 @@ def test_bad_checkpoint_gives_one_clear_error_and_loses_nothing(shared_run, tmp_
         path.write_bytes(bad)
         for script in ("ddp_train.py", "pp_train.py") if damage == "truncated" else ("fsdp_train.py",):
             t0 = time.time()
-            result = launch(script, 2, FLAGS + ["--max_iters", "6", "--resume", "--out_dir", str(tmp_path)], timeout=60)
+            result = launch(script, 2, FLAGS + ["--max_iters", "6", "--resume", "--out_dir", str(tmp_path)], timeout=60,
+                            torchrun=False)
             assert result.returncode != 0 and time.time() - t0 < 30
             errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
             assert len(errors) == 1 and "--resume" in errors[0] and str(path) in errors[0], (damage, result.stderr[-2000:])
@@ -292,12 +293,13 @@ def test_bad_checkpoint_gives_one_clear_error_and_loses_nothing(shared_run, tmp_
 
 
 def test_resume_without_a_checkpoint_is_an_error(tmp_path):
-    result = launch("fsdp_train.py", 2, FLAGS + ["--max_iters", "3", "--resume", "--out_dir", str(tmp_path)], timeout=60)
+    result = launch("fsdp_train.py", 2, FLAGS + ["--max_iters", "3", "--resume", "--out_dir", str(tmp_path)], timeout=60,
+                    torchrun=False)
     assert result.returncode != 0 and f"error: --resume: no checkpoint at {tmp_path / 'ckpt.pt'}" in result.stderr
 
 
-def test_sample_generates_text_from_a_checkpoint(tmp_path):
-    run("zero3_train.py", 2, ["--max_iters", "3"], tmp_path)
+def test_sample_generates_text_from_a_checkpoint(shared_run, tmp_path):
+    cut_run(shared_run, "zero3_train.py", "custom", tmp_path)  # zero3's checkpoint at step CUT
     cmd = [sys.executable, "sample.py", "--out_dir", str(tmp_path), "--start", "ROMEO:", "--num_samples", "2",
            "--max_new_tokens", "20", "--seed", "7"]
     a = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -320,6 +322,7 @@ BAD = [  # (script, flags, nproc (None: one process), the flag the error must na
     ("tp_train.py", ["--timeout_s", "0"], None, "--timeout_s"),
     ("pp_train.py", ["--batch_size", "6", "--n_microbatches", "4"], 2, "--batch_size"),
     ("pp_train.py", ["--n_layer", "2"], 4, "--n_layer"),
+    ("cp_train.py", ["--dropout", "0.1"], 2, "--dropout"),
 ]
 
 

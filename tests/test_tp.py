@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import TINY, launch, probe, read_metrics, spawn, the_one_error
+from conftest import TINY, launch, probe, read_metrics, refusal, spawn
 from common.data import get_batch
 from common.model import GPT, GPTConfig
 from common.metrics import SavedActivations
@@ -308,7 +308,7 @@ def test_the_script_measures_saved_activations_and_sp_shrinks_them(runs):
     assert saved["custom", False][0] - saved["custom", True][0] == (2 * L + 1) * (B * T // 2 * C + B * T) * 4, saved
 
 
-BAD_INPUT = [  # divisibility is checked first, so one process with --tensor_parallel_size 2 shows it cheaply
+BAD_INPUT = [
     (None, ["--tensor_parallel_size", "2", "--n_head", "3", "--n_embd", "48"], "--n_head"),
     (None, ["--tensor_parallel_size", "2", "--vocab_size", "50305"], "--vocab_size"),
     (None, ["--tensor_parallel_size", "2"], "--tensor_parallel_size"),  # 2 x 1 != 1 rank
@@ -319,8 +319,9 @@ BAD_INPUT = [  # divisibility is checked first, so one process with --tensor_par
 
 
 @pytest.mark.parametrize("nproc,flags,named", BAD_INPUT, ids=[" ".join(f) + f"-{n or 1}r" for n, f, _ in BAD_INPUT])
-def test_bad_input(nproc, flags, named, tmp_path):
-    assert named in the_one_error("tp_train.py", nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags)
+def test_bad_input(nproc, flags, named, tmp_path, monkeypatch, capsys):
+    assert named in refusal("tp_train.py", nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags,
+                            monkeypatch, capsys)
 
 
 # ---- dropout: each TP rank its own stream inside the TP region, one shared stream outside it -----

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import PARITY, PARITY_STEPS, TINY, launch, read_metrics, spawn, step_losses, the_one_error
+from conftest import PARITY, PARITY_STEPS, TINY, launch, read_metrics, refusal, spawn, step_losses
 from common.distributed import clip_grad_norm_
 from common.config import parse_args
 from common.data import get_batch
@@ -518,11 +518,11 @@ def test_resume_across_stages_matches_one_process(shared_run, tmp_path):
     assert delta <= 1e-5
 
 
-def test_stage_2_has_no_pytorch_peer_and_stage_3_flags_need_stage_3(tmp_path):
+def test_stage_2_has_no_pytorch_peer_and_stage_3_flags_need_stage_3(tmp_path, monkeypatch, capsys):
     args = TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)]
-    error = the_one_error("zero3_train.py", None, args + ["--stage", "2", "--implementation", "pytorch"])
+    error = refusal("zero3_train.py", None, args + ["--stage", "2", "--implementation", "pytorch"], monkeypatch, capsys)
     assert error.startswith("error: --stage: 2 has no PyTorch peer")
-    error = the_one_error("zero3_train.py", None, args + ["--stage", "1", "--max_reuse_distance", "0"])
+    error = refusal("zero3_train.py", None, args + ["--stage", "1", "--max_reuse_distance", "0"], monkeypatch, capsys)
     assert error == "error: --max_reuse_distance: 0 applies to --stage 3 only"
 
 
@@ -532,12 +532,14 @@ BAD_INPUT = [(["--prefetch", "false"], "--prefetch: false"),
 
 
 @pytest.mark.parametrize("flags,named", BAD_INPUT, ids=[" ".join(f) for f, _ in BAD_INPUT])
-def test_flags_that_do_not_apply_give_one_clear_error(flags, named, tmp_path):
+def test_flags_that_do_not_apply_give_one_clear_error(flags, named, tmp_path, monkeypatch, capsys):
     args = TINY + ["--max_iters", "2", "--implementation", "pytorch", "--out_dir", str(tmp_path)] + flags
-    assert the_one_error("zero3_train.py", None, args) == f"error: {named} is only supported by --implementation custom"
+    assert refusal("zero3_train.py", None, args, monkeypatch, capsys) == \
+        f"error: {named} is only supported by --implementation custom"
 
 
 @pytest.mark.parametrize("flag", ["--persistence_threshold", "--max_reuse_distance"])
-def test_negative_sizes_give_one_clear_error(flag, tmp_path):
-    error = the_one_error("zero3_train.py", None, TINY + ["--max_iters", "2", flag, "-1", "--out_dir", str(tmp_path)])
+def test_negative_sizes_give_one_clear_error(flag, tmp_path, monkeypatch, capsys):
+    error = refusal("zero3_train.py", None, TINY + ["--max_iters", "2", flag, "-1", "--out_dir", str(tmp_path)],
+                    monkeypatch, capsys)
     assert error == f"error: {flag}: must be >= 0, got -1"
