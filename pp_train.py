@@ -389,17 +389,16 @@ class Pipeline:
         return model, {n: s for g in gathered for n, s in g[1].items()}
 
     def describe(self):
-        plan, per_rank = stage_plan(self.config, self.args, self.pp_size)
         return (f"{self.args.schedule} schedule, {self.M} micro-batches a micro-step; estimated GFLOP a step "
-                f"(forward + backward):" + "".join(f"\n  {line}" for line in plan)
-                + f"\n  per rank: {[round(g, 2) for g in per_rank]}")
+                f"(forward + backward):" + stage_plan(self.config, self.args, self.pp_size))
 
 
 def stage_plan(config, args, pp_size):
     """Each stage's pieces and estimated forward + backward FLOPs a step (B*T tokens; backward = 2 x forward, a
     multiply-add = 2 FLOPs): a block 24C^2 + 4TC a token (its matmuls; attention's scores and weighted sum), the
     embedding C (the add of wte and wpe), the head 2VC and the loss 4V (max, subtract, exp, sum), on the last stage or,
-    with --vocab_parallel, 1/p of both on every rank. Returns the lines of the plan and the GFLOP per rank."""
+    with --vocab_parallel, 1/p of both on every rank. Returns the plan, one indented line a stage and the GFLOP per
+    rank, each line starting with a newline."""
     C, T, V, n = config.n_embd, config.block_size, config.vocab_size, pp_size * args.virtual_stages
     gflop = 3 * args.batch_size * T / 1e9
     first_block, per_rank, plan = list(itertools.accumulate(args.stage_layers, initial=0)), [0.0] * pp_size, []
@@ -414,7 +413,8 @@ def stage_plan(config, args, pp_size):
         plan.append(f"vocabulary pass, every rank: lm_head rows r*{V // pp_size} to (r+1)*{V // pp_size}-1 and their "
                     f"part of the loss: {head / pp_size:.2f}")
         per_rank = [g + head / pp_size for g in per_rank]
-    return plan, per_rank
+    plan.append(f"per rank: {[round(g, 2) for g in per_rank]}")
+    return "".join(f"\n  {line}" for line in plan)
 
 
 def add_pp_flags(group):
@@ -601,7 +601,6 @@ class ScheduleReport:
         theory = (p - 1) / (V * M + p - 1)  # for equal stages. For the measured S: the slowest stage computes
         # throughout, every other adds one micro-batch's (chunk's) share to fill and drain the pipeline.
         staged = 1 - sum(S) / (p * (max(S) + (sum(S) - max(S)) / (M * V)))
-        plan, per_rank = stage_plan(model.config, args, p)
         if model.rank == 0:  # one row per rank; 'F3' = forward of micro-batch 3 (chunk a, b, .. when V > 1)
             width, end = 96, ends[-1]
             print(f"timeline of the last step ({end * 1000:.1f} ms, {width} columns):")
@@ -616,8 +615,7 @@ class ScheduleReport:
                   f"= (p-1)/({'V*' if V > 1 else ''}m+p-1) with p={p}, m={M}{f', V={V}' if V > 1 else ''}\n"
                   f"  the theory assumes equal stages; measured F+B ms per step and rank: {[round(s) for s in S]}, "
                   f"for which the same model of the schedule gives {staged:.1%}\nthe stage plan, estimated GFLOP a "
-                  f"step:" + "".join(f"\n  {line}" for line in plan)
-                  + f"\n  per rank: {[round(g, 2) for g in per_rank]}")
+                  f"step:" + stage_plan(model.config, args, p))
         return dict(extra, run=dict(bubble_measured=bubble, bubble_theory=theory, bubble_for_stage_times=staged))
 
 
