@@ -4,6 +4,7 @@ Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK in the environment) it joins the job;
 `python script.py` it makes a one-rank group in memory, so every script runs the same code path
 and `python <script>.py` is the single-process reference.
 """
+import ctypes
 import functools
 import gc
 import os
@@ -52,6 +53,7 @@ def setup(args):
         device = torch.device("cpu")
         threads = os.environ.get("OMP_NUM_THREADS")  # else share the cores among this node's ranks
         torch.set_num_threads(int(threads) if threads else max(1, len(os.sched_getaffinity(0)) // local_world))
+        keep_freed_memory()
     # Seeds only what is random at run time (dropout): weights come from init_tensor, batches from
     # get_batch. Each rank gets its own stream, so ranks drop different units of their different rows.
     torch.manual_seed(args.seed + rank)
@@ -71,6 +73,24 @@ def setup(args):
     else:  # single process: a one-rank group in memory, no port needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return rank, world_size, device
+
+
+def keep_freed_memory():
+    """CPU runs on glibc (Linux): freed memory stays in the process for the next step.
+
+    By default glibc serves each block of 128 KiB or more with its own mmap and unmaps it when freed, so every
+    step faults its big blocks (the logits: batch x block x vocab x 4 bytes) in again, a zeroed 4 KiB page at a
+    time, and how many faults depends on what the process allocated before (glibc raises the threshold, up to
+    32 MiB, after freeing a larger block): two implementations of the same arithmetic ran 10% apart. Every
+    block from the heap, never trimmed: after a few steps a fault is the exception, at the cost of keeping the
+    heap's high-water mark (measurements: README, design notes). No glibc (macOS, musl): nothing changes."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+    mallopt(M_MMAP_MAX, 0)  # no block gets its own mmap: all come from the heap
+    mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # and the heap's free top is not given back
 
 
 def teardown():
