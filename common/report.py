@@ -78,12 +78,13 @@ COMPARE = [  # (strategy, implementation) pairs whose tokens/s ratio the bench p
 
 
 def bench(runs_dir):
-    rounds = {}  # (strategy, implementation) -> [run, ...]
+    rounds = {}  # (strategy, implementation) -> {round: run}
     for name in sorted(os.listdir(runs_dir)):
         if os.path.isdir(os.path.join(runs_dir, name)):
-            strategy, implementation, _ = name.rsplit("-", 2)
-            rounds.setdefault((strategy, implementation), []).append(load(os.path.join(runs_dir, name)))
-    medians, failed = {}, []
+            strategy, implementation, r = name.rsplit("-", 2)
+            rounds.setdefault((strategy, implementation), {})[int(r.lstrip("r"))] = load(os.path.join(runs_dir, name))
+    rounds = {key: [by_round[r] for r in sorted(by_round)] for key, by_round in rounds.items()}
+    medians, per_rounds, failed = {}, {}, []
     print(f"{'strategy':<20} {'impl':<8} {'tokens/s (median of rounds)':>28} {'per round':>28} {'peak MiB/rank':>14} "
           f"{'model state MiB/rank':>21}")
     for (strategy, implementation), runs in sorted(rounds.items()):
@@ -93,20 +94,28 @@ def bench(runs_dir):
             continue
         per_round = [r["summary"]["tokens_per_sec"] for r in runs]
         medians[(strategy, implementation)] = statistics.median(per_round)
+        per_rounds[(strategy, implementation)] = per_round
         peak = max(max(r["summary"]["peak_mem_bytes_per_rank"]) for r in runs)
         state = "/".join(mib(b) for b in runs[0]["summary"]["model_state_bytes_per_rank"])
         print(f"{strategy:<20} {implementation:<8} {statistics.median(per_round):>28,.0f} "
               f"{' '.join(f'{t:,.0f}' for t in per_round):>28} {mib(peak):>14} {state:>21}")
     print()
+    def ratio(a, b):
+        """The ratio of the medians, and the median of the per-round ratios: the two runs of a round ran
+        minutes apart, so a machine that is slower for a while slows both, and their ratio keeps."""
+        paired = [x / y for x, y in zip(per_rounds[a], per_rounds[b])]
+        return f"{medians[a] / medians[b]:.3f} (paired by round: median {statistics.median(paired):.3f}, " \
+               f"per round {' '.join(f'{q:.3f}' for q in paired)})"
+
     limit = medians.get(("limit", "1proc"))
     for (strategy, implementation), tps in sorted(medians.items()):
         if implementation == "custom" and (strategy, "pytorch") in medians:
-            print(f"{strategy}: custom/pytorch tokens/s = {tps / medians[(strategy, 'pytorch')]:.3f}")
+            print(f"{strategy}: custom/pytorch tokens/s = {ratio((strategy, implementation), (strategy, 'pytorch'))}")
         if limit and strategy not in ("limit",):
             print(f"{strategy} {implementation}: tokens/s vs one process on all cores = {tps / limit:.3f}")
     for a, b in COMPARE:
         if a in medians and b in medians:
-            print(f"{'-'.join(a)} / {'-'.join(b)} tokens/s = {medians[a] / medians[b]:.3f}")
+            print(f"{'-'.join(a)} / {'-'.join(b)} tokens/s = {ratio(a, b)}")
     if failed:
         print("FAILED: " + ", ".join(failed))
         return 1

@@ -180,7 +180,7 @@ def test_crash_without_restart_ends_every_rank_within_the_timeout(tmp_path):
 def test_a_hung_peer_is_bounded_by_timeout_s(tmp_path):
     """No launcher to clean up, and a peer that hangs (SIGSTOP) instead of dying, so its sockets
     stay open: rank 0 must give up on its own once the collective waits longer than --timeout_s."""
-    port, timeout_s = free_port(), 10
+    port, timeout_s = free_port(), 6
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
@@ -235,12 +235,12 @@ def test_two_nodes_with_their_own_checkouts_equal_one_node(shared_run, tmp_path)
 
 def test_data_wait_is_not_bounded_by_timeout_s(tmp_path, monkeypatch):
     """Tokenising may take longer than --timeout_s (a step's collective bound): the other ranks wait
-    for it (here tokenising is slowed to 8 s with --timeout_s 3) and the run finishes."""
+    for it (here tokenising is slowed to 6 s with --timeout_s 3) and the run finishes."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
         "import time\nimport common.data as d\nslow = d.prepare\n"
-        "d.prepare = lambda *a: (time.sleep(8) if __import__('os').environ.get('RANK') == '0' else None) or slow(*a)\n")
+        "d.prepare = lambda *a: (time.sleep(6) if __import__('os').environ.get('RANK') == '0' else None) or slow(*a)\n")
     monkeypatch.setenv("PYTHONPATH", f"{hook}{os.pathsep}{REPO}")
     run("ddp_train.py", 2, ["--max_iters", "1", "--timeout_s", "3"], tmp_path / "out")
 
