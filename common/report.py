@@ -83,27 +83,28 @@ def bench(runs_dir):
         if os.path.isdir(os.path.join(runs_dir, name)):
             strategy, implementation, r = name.rsplit("-", 2)
             rounds.setdefault((strategy, implementation), {})[int(r.lstrip("r"))] = load(os.path.join(runs_dir, name))
-    rounds = {key: [by_round[r] for r in sorted(by_round)] for key, by_round in rounds.items()}
-    medians, per_rounds, failed = {}, {}, []
+    medians, per_rounds, failed = {}, {}, []  # per_rounds: (strategy, implementation) -> {round: tokens/s}
     print(f"{'strategy':<20} {'impl':<8} {'tokens/s (median of rounds)':>28} {'per round':>28} {'peak MiB/rank':>14} "
           f"{'model state MiB/rank':>21}")
-    for (strategy, implementation), runs in sorted(rounds.items()):
+    for (strategy, implementation), by_round in sorted(rounds.items()):
+        runs = [by_round[r] for r in sorted(by_round)]
         if not all(r["ok"] for r in runs):
             failed.append(f"{strategy}-{implementation}")
             print(f"{strategy:<20} {implementation:<8} FAILED")
             continue
         per_round = [r["summary"]["tokens_per_sec"] for r in runs]
         medians[(strategy, implementation)] = statistics.median(per_round)
-        per_rounds[(strategy, implementation)] = per_round
+        per_rounds[(strategy, implementation)] = dict(zip(sorted(by_round), per_round))
         peak = max(max(r["summary"]["peak_mem_bytes_per_rank"]) for r in runs)
         state = "/".join(mib(b) for b in runs[0]["summary"]["model_state_bytes_per_rank"])
         print(f"{strategy:<20} {implementation:<8} {statistics.median(per_round):>28,.0f} "
               f"{' '.join(f'{t:,.0f}' for t in per_round):>28} {mib(peak):>14} {state:>21}")
     print()
+
     def ratio(a, b):
         """The ratio of the medians, and the median of the per-round ratios: the two runs of a round ran
         minutes apart, so a machine that is slower for a while slows both, and their ratio keeps."""
-        paired = [x / y for x, y in zip(per_rounds[a], per_rounds[b])]
+        paired = [per_rounds[a][r] / per_rounds[b][r] for r in sorted(per_rounds[a]) if r in per_rounds[b]]
         return f"{medians[a] / medians[b]:.3f} (paired by round: median {statistics.median(paired):.3f}, " \
                f"per round {' '.join(f'{q:.3f}' for q in paired)})"
 
