@@ -92,9 +92,9 @@ def bench(runs_dir):
             failed.append(f"{strategy}-{implementation}")
             print(f"{strategy:<20} {implementation:<8} FAILED")
             continue
-        per_round = [r["summary"]["tokens_per_sec"] for r in runs]
+        per_rounds[(strategy, implementation)] = {r: by_round[r]["summary"]["tokens_per_sec"] for r in sorted(by_round)}
+        per_round = list(per_rounds[(strategy, implementation)].values())
         medians[(strategy, implementation)] = statistics.median(per_round)
-        per_rounds[(strategy, implementation)] = dict(zip(sorted(by_round), per_round))
         peak = max(max(r["summary"]["peak_mem_bytes_per_rank"]) for r in runs)
         state = "/".join(mib(b) for b in runs[0]["summary"]["model_state_bytes_per_rank"])
         print(f"{strategy:<20} {implementation:<8} {statistics.median(per_round):>28,.0f} "
