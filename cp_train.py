@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from common.checkpoint import checkpoint, optimizer_state_by_name, resume, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown, uses_cuda
+from common.distributed import (all_gather_single, autocast, clip_grad_norm_, reduce_scatter_single, setup,
+                                setup_data, teardown, uses_cuda)
 from common.metrics import Metrics, Profiler, activations, model_state_bytes, timers
 from common.model import GPT, CausalSelfAttention, configure_optimizer, materialize_, num_params
 
@@ -197,7 +198,7 @@ class AllGatherAttention(torch.autograd.Function):
                            for j in range(cp.size)])
         mine = dkv.new_empty(dkv.shape[1:])
         # cp x 2BTC/cp numbers in: block j's dK,dV from every rank summed on rank j, (cp-1) blocks sent
-        dist.reduce_scatter_single(mine, dkv.flatten(0, 1), group=cp.group)
+        reduce_scatter_single(mine, dkv.flatten(0, 1), group=cp.group)
         return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None
 
 
@@ -205,7 +206,7 @@ def all_gather_kv(k, v, cp):
     """[K; V] of every CP rank, cp x 2 x B x n_head x T/cp x head_dim: this rank's 2BTC/cp numbers to each other."""
     kv = torch.stack([k, v])
     gathered = kv.new_empty((cp.size * 2,) + kv.shape[1:])  # gloo wants the ranks' tensors stacked along dim 0
-    dist.all_gather_single(gathered, kv, group=cp.group)
+    all_gather_single(gathered, kv, group=cp.group)
     return gathered.unflatten(0, (cp.size, 2))
 
 

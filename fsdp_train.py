@@ -38,13 +38,15 @@ from common.checkpoint import checkpoint as full_checkpoint, config_mismatch, lo
     set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import autocast, clip_grad_norm_, die_on_any, setup, setup_data, teardown
+from common.distributed import (all_gather_single, autocast, clip_grad_norm_, die_on_any, reduce_scatter_single,
+                                setup, setup_data, teardown)
 from common.metrics import Metrics, Profiler, model_state_bytes, timers
 from common.model import GPT, configure_optimizer, init_tensor, num_params
 
 
 # ---- the strategy: flat-parameter units, gathered for use and sharded at rest -----------
-# (all_gather_single, reduce_scatter_single: torch 2.13's all_gather_into_tensor, reduce_scatter_tensor)
+# (all_gather_single, reduce_scatter_single: torch's collectives of those names, or on torch < 2.13
+# all_gather_into_tensor and reduce_scatter_tensor: common.distributed picks the name)
 
 class FlatParamUnit:
     """One unit's parameters as one flat vector of `numel` values, padded to N shards of `shard_size`.
@@ -100,7 +102,7 @@ class FlatParamUnit:
         # order, straight into the flat buffer: (N-1) x shard_size x 2 or 4 bytes in. Written through
         # .data, which autograd does not version: the views that forward saved for backward stay valid
         # when backward gathers into the same storage again.
-        self.work = dist.all_gather_single(self.flat_param.data, self.sent, async_op=True)
+        self.work = all_gather_single(self.flat_param.data, self.sent, async_op=True)
 
     def reshard(self):
         self.flat_param.untyped_storage().resize_(0)  # frees the buffer; the views keep their shapes
@@ -182,7 +184,7 @@ class FullyShardedGPT:
         shard = torch.empty(unit.shard_size, device=grad.device)
         # Each rank sends shard j of its flat gradient to rank j ((N-1) x shard_size x 4 bytes out) and
         # receives the others' shard `rank`, averaged: the mean over ranks of this rank's shard.
-        work = dist.reduce_scatter_single(shard, grad, op=dist.ReduceOp.AVG, async_op=True)
+        work = reduce_scatter_single(shard, grad, op=dist.ReduceOp.AVG, async_op=True)
         self.pending.append((unit, shard, grad, work))
         self.finish_backward(in_flight=2)  # bound the full gradients held in flight to two units
 
@@ -274,7 +276,7 @@ class FSDP:
                 shard = unit.local_shard.detach() if key == "param" else state[key]
                 gathered = shard.new_empty(unit.numel + unit.padding)
                 # every rank's shard to every rank, in rank order: (N-1) x shard_size x 4 bytes in
-                dist.all_gather_single(gathered, shard.contiguous())
+                all_gather_single(gathered, shard.contiguous())
                 for (names, shape, _), piece in zip(unit.tensors, gathered.split(unit.numels + [unit.padding])):
                     value = piece.view(shape).cpu()
                     if key == "param":

@@ -37,14 +37,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel, loss_parallel,
                                                parallelize_module)
 
 from common.checkpoint import checkpoint, resume, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
+from common.distributed import (all_gather_single, autocast, clip_grad_norm_, reduce_scatter_single, setup,
+                                setup_data, teardown)
 from common.metrics import Metrics, Profiler, activations, held_bytes, model_state_bytes
 from common.model import GPT, configure_optimizer, init_tensor
 
@@ -57,7 +58,7 @@ def all_gather(x, group, dim):
     """The ranks' x concatenated in rank order along `dim`: (B, T/tp_size, C) sequence shards -> (B, T, C)."""
     tp_size = dist.get_world_size(group)
     out = x.new_empty((tp_size * x.size(0),) + x.shape[1:])  # gloo wants the ranks stacked along dim 0
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)  # x.numel() numbers from each rank
+    all_gather_single(out, x.contiguous(), group=group)  # x.numel() numbers from each rank
     return torch.cat(out.chunk(tp_size), dim=dim)
 
 
@@ -65,7 +66,7 @@ def reduce_scatter_seq(x, group):
     """(B, T, C) partial sums on the ranks -> (B, T/tp_size, C): this rank's sequence shard of the sum."""
     chunks = torch.cat(x.chunk(dist.get_world_size(group), dim=1))  # (tp_size*B, T/tp_size, C): shard r at rows r*B..
     out = chunks.new_empty((x.size(0),) + chunks.shape[1:])
-    dist.reduce_scatter_tensor(out, chunks, group=group)  # each rank sends the others' shards, gets its summed one
+    reduce_scatter_single(out, chunks, group=group)  # each rank sends the others' shards, gets its summed one
     return out
 
 
@@ -544,6 +545,23 @@ def parallelize_torch(model, tp_mesh, sequence_parallel, loss_parallel):
         fork_sequence_parallel_dropouts(model, tp_mesh.get_local_rank())
     parallelize_module(model, tp_mesh, plan)
     model.tie_weights()  # parallelize_module gives wte and lm_head separate DTensor Parameters
+    # AdamW's multi-tensor paths (foreach, its default on CUDA, and fused) update all parameters in one
+    # call, which refuses a mix of DTensor and Tensor. So, as torchtitan does, the modules the plan leaves
+    # alone (without SP: the LayerNorms and wpe) get Replicate DTensor parameters too: distribute_module
+    # replicates them (each rank keeps its own equal copy: no communication), their input becomes a
+    # Replicate DTensor and their output local again. The arithmetic is unchanged, and their gradients
+    # come back Replicate: the full gradient on every TP rank, as the plain tensors' were.
+    for module in model.modules():
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            distribute_module(module, tp_mesh, input_fn=replicated_input, output_fn=local_output)
+
+
+def replicated_input(module, inputs, mesh):
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+
+def local_output(module, output, mesh):
+    return output.to_local()
 
 
 def local(t):

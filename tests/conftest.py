@@ -16,6 +16,11 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# The torch.distributed function that common.distributed's all_gather_single / reduce_scatter_single call on this
+# torch (2.13 renamed all_gather_into_tensor and reduce_scatter_tensor): a test that counts collectives wraps it.
+DIST_NAME = {new: new if hasattr(dist, new) else old for new, old in (("all_gather_single", "all_gather_into_tensor"),
+                                                                      ("reduce_scatter_single", "reduce_scatter_tensor"))}
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(REPO), "shared")
 sys.path.insert(0, REPO)

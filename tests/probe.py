@@ -71,9 +71,13 @@ def write():
 
 torch.nn.modules.module.register_module_forward_pre_hook(hook)
 # Not isend/irecv: P2POp accepts only torch's own functions.
-for name in ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
-             "reduce_scatter_single", "broadcast", "reduce", "send", "recv", "all_to_all_single"):
+for name in ("all_reduce", "broadcast", "reduce", "send", "recv", "all_to_all_single"):
     setattr(torch.distributed, name, counted(name, getattr(torch.distributed, name)))
+# Counted by torch 2.13's names, on any torch: older torch has only all_gather_into_tensor and reduce_scatter_tensor
+# (common.distributed calls those there, and torch's own FSDP2 too).
+for name, before_2_13 in (("all_gather_single", "all_gather_into_tensor"), ("reduce_scatter_single", "reduce_scatter_tensor")):
+    present = name if hasattr(torch.distributed, name) else before_2_13
+    setattr(torch.distributed, present, counted(name, getattr(torch.distributed, present)))
 _batch_isend_irecv = torch.distributed.batch_isend_irecv
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import TINY, refusal, spawn
+from conftest import DIST_NAME, TINY, refusal, spawn
 from common.metrics import SavedActivations
 from common.model import GPT, GPTConfig
 from cp_train import AllGatherAttention, CPGroup, CPGPT, RingAttention, causal_window, positions, ulysses_attention
@@ -56,18 +56,19 @@ def _sent_per_layer(groups):
     """Numbers each rank sends in one attention forward and backward, per (cp, mode): every collective is
     wrapped and charged what it sends from this rank (an all-gather its input to cp-1 ranks, a
     reduce-scatter and an all-to-all the (cp-1)/cp of their input going elsewhere, a send its tensor)."""
-    originals = {n: getattr(dist, n) for n in ("batch_isend_irecv", "all_gather_single", "reduce_scatter_single",
-                                                "all_to_all_single")}
+    names = {n: DIST_NAME.get(n, n) for n in ("batch_isend_irecv", "all_gather_single", "reduce_scatter_single",
+                                             "all_to_all_single")}  # this torch's function for each
+    originals = {n: getattr(dist, name) for n, name in names.items()}
     sent = []
 
     def charge(name, numbers):
         def wrapped(*args, **kwargs):
             sent.append(numbers(*args, **kwargs))
             return originals[name](*args, **kwargs)
-        setattr(dist, name, wrapped)
+        setattr(dist, names[name], wrapped)
     charge("batch_isend_irecv", lambda ops: sum(op.tensor.numel() for op in ops if op.op is dist.isend))
-    charge("all_gather_single", lambda out, x, group: x.numel() * (dist.get_world_size(group) - 1))
-    charge("reduce_scatter_single", lambda out, x, group: Fraction(x.numel() * (dist.get_world_size(group) - 1),
+    charge("all_gather_single", lambda out, x, group, **_: x.numel() * (dist.get_world_size(group) - 1))
+    charge("reduce_scatter_single", lambda out, x, group, **_: Fraction(x.numel() * (dist.get_world_size(group) - 1),
                                                                    dist.get_world_size(group)))
     charge("all_to_all_single", lambda out, x, group: Fraction(x.numel() * (dist.get_world_size(group) - 1),
                                                                dist.get_world_size(group)))
@@ -85,7 +86,7 @@ def _sent_per_layer(groups):
                 result[cp_size, mode, zigzag] = forward, sum(sent)
     finally:
         for name, fn in originals.items():
-            setattr(dist, name, fn)
+            setattr(dist, names[name], fn)
     return result
 
 

@@ -9,6 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from conftest import TINY, launch, probe, read_metrics, spawn
 from common.data import get_batch
+from common.distributed import all_gather_single
 from common.model import GPT, GPTConfig
 from ddp_train import GradientBuckets
 
@@ -37,7 +38,7 @@ def _custom_vs_torch_ddp(rank, world_size, accum):
     # identical init on every rank, without a broadcast: gather every rank's weights and compare
     flat = torch.cat([p.detach().flatten() for p in custom.parameters()])
     gathered = torch.empty(world_size * flat.numel())
-    dist.all_gather_single(gathered, flat)
+    all_gather_single(gathered, flat)
     same_init = all(torch.equal(chunk, flat) for chunk in gathered.chunk(world_size))
     buckets = GradientBuckets(custom, CAP_MB)
     _train_custom(custom, buckets, x, y, accum)

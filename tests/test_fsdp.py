@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from conftest import TINY, launch, read_metrics, refusal, spawn, the_one_error
+from conftest import DIST_NAME, TINY, launch, read_metrics, refusal, spawn, the_one_error
 from common.config import parse_args
 from common.data import get_batch
-from common.distributed import clip_grad_norm_
+from common.distributed import all_gather_single, clip_grad_norm_, reduce_scatter_single
 from common.metrics import held_bytes
 from common.model import GPT, GPTConfig, init_tensor
 import fsdp_train
@@ -52,7 +52,7 @@ def _gathered_bytes(fsdp):
 
 def _gather(shard):
     out = shard.new_empty(shard.numel() * dist.get_world_size())
-    dist.all_gather_single(out, shard.contiguous())
+    all_gather_single(out, shard.contiguous())
     return out
 
 
@@ -152,14 +152,16 @@ def _ledger_and_freeing(rank, world_size, reshard, prefetch):
         block.register_forward_pre_hook(pre)
         block.register_forward_hook(post)
 
-    calls, originals = [], (dist.all_gather_single, dist.reduce_scatter_single)
+    names = DIST_NAME["all_gather_single"], DIST_NAME["reduce_scatter_single"]
+    calls, originals = [], [getattr(dist, name) for name in names]
 
     def count(name, original):
         def wrapper(*args, **kwargs):
             calls.append((name, args[1].numel()))
             return original(*args, **kwargs)
         return wrapper
-    dist.all_gather_single, dist.reduce_scatter_single = count("gather", originals[0]), count("scatter", originals[1])
+    setattr(dist, names[0], count("gather", originals[0]))
+    setattr(dist, names[1], count("scatter", originals[1]))
     try:
         optimizer = torch.optim.AdamW([u.local_shard for u in fsdp.units], lr=1e-3)
         x, y = get_batch("train", 0, 2 * world_size, LEDGER_CONFIG.block_size, seed=0)
@@ -169,7 +171,8 @@ def _ledger_and_freeing(rank, world_size, reshard, prefetch):
         after_backward = _gathered_bytes(fsdp)
         optimizer.step()
     finally:
-        dist.all_gather_single, dist.reduce_scatter_single = originals
+        for name, original in zip(names, originals):
+            setattr(dist, name, original)
     shards = [u.local_shard for u in fsdp.units]  # the storages this rank really holds between steps
     held = dict(params=held_bytes(shards), grads=held_bytes(p.grad for p in shards),
                 adamw=held_bytes(v for s in optimizer.state.values() for k, v in s.items() if k != "step"),
@@ -314,7 +317,7 @@ def _tiny_unit(rank, world_size):
     out = ln(torch.tensor([[float(rank)]]))  # normalised over one value: 0, so out = bias
     (out.sum() * (rank + 1)).backward()
     shard = torch.empty(unit.shard_size)
-    dist.reduce_scatter_single(shard, unit.flat_param.grad, op=dist.ReduceOp.AVG)
+    reduce_scatter_single(shard, unit.flat_param.grad, op=dist.ReduceOp.AVG)
     unit.local_shard.grad = shard
     unit.reshard()
     return unit.shard_size, unit.valid, unit.padding, values, \

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import TINY, launch, probe, read_metrics, refusal, spawn
+from conftest import DIST_NAME, TINY, launch, probe, read_metrics, refusal, spawn
 from common.data import get_batch
 from common.model import GPT, GPTConfig
 from common.metrics import SavedActivations
@@ -160,7 +160,7 @@ def test_shards_gradients_and_clipping_norm_equal_the_reference(unit):
         assert wrong > ref_norm * (1 + 1e-4)  # the check would notice replicated params counted twice
 
 
-COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single")
 
 
 def _count_all(rank, world_size):
@@ -170,7 +170,7 @@ def _count_all(rank, world_size):
 def _count_collectives(sp, whole_model):
     """Calls of each collective (and their sizes) in one forward and one backward."""
     tp = TP(dist.group.WORLD, sp)
-    calls, originals = [], {name: getattr(dist, name) for name in COLLECTIVES}
+    calls, originals = [], {name: getattr(dist, DIST_NAME.get(name, name)) for name in COLLECTIVES}
 
     def counting(name):
         def collective(tensor, *args, **kwargs):
@@ -187,7 +187,7 @@ def _count_collectives(sp, whole_model):
         x = torch.randn(B, T // tp.size if sp else T, C, requires_grad=True)
         run = lambda: module(x).square().sum()
     for name in COLLECTIVES:
-        setattr(dist, name, counting(name))
+        setattr(dist, DIST_NAME.get(name, name), counting(name))
     try:
         out = run()
         forward = list(calls)
@@ -196,7 +196,7 @@ def _count_collectives(sp, whole_model):
         backward = list(calls)
     finally:
         for name, fn in originals.items():
-            setattr(dist, name, fn)
+            setattr(dist, DIST_NAME.get(name, name), fn)
 
     def count(phase):
         return {name: sum(1 for n, _ in phase if n == name) for name in COLLECTIVES}
@@ -211,14 +211,14 @@ def counts(unit):
 def test_megatron_communication_per_block(counts):
     # one block: without SP, g after attn.c_proj and mlp.c_proj (forward), f before c_attn and c_fc (backward)
     fwd, bwd, sizes = counts[False, False]
-    assert fwd == {"all_reduce": 2, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}
-    assert bwd == {"all_reduce": 2, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}
+    assert fwd == {"all_reduce": 2, "all_gather_single": 0, "reduce_scatter_single": 0}
+    assert bwd == {"all_reduce": 2, "all_gather_single": 0, "reduce_scatter_single": 0}
     assert sizes == [B * T * C]  # every one moves the whole (B, T, C) activation
     # with SP: an all-gather before each column-parallel linear and a reduce-scatter after each
     # row-parallel one, and the reverse in backward; the same bytes, no all-reduce
     fwd, bwd, sizes = counts[True, False]
-    assert fwd == {"all_reduce": 0, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
-    assert bwd == {"all_reduce": 0, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+    assert fwd == {"all_reduce": 0, "all_gather_single": 2, "reduce_scatter_single": 2}
+    assert bwd == {"all_reduce": 0, "all_gather_single": 2, "reduce_scatter_single": 2}
     assert sizes == [B * T * C // 2, B * T * C]  # shard in, whole out (or the reverse)
 
 
@@ -230,8 +230,8 @@ def test_megatron_communication_whole_model(counts):
     assert fwd["all_reduce"] == 2 * L + 1 + 3 and bwd["all_reduce"] == 2 * L + 1
     assert max(sizes) == B * T * C
     fwd, bwd, sizes = counts[True, True]
-    assert fwd == {"all_reduce": 3, "all_gather_into_tensor": 2 * L + 1, "reduce_scatter_tensor": 2 * L + 1}
-    assert bwd == {"all_reduce": 0, "all_gather_into_tensor": 2 * L + 1, "reduce_scatter_tensor": 2 * L + 1}
+    assert fwd == {"all_reduce": 3, "all_gather_single": 2 * L + 1, "reduce_scatter_single": 2 * L + 1}
+    assert bwd == {"all_reduce": 0, "all_gather_single": 2 * L + 1, "reduce_scatter_single": 2 * L + 1}
 
 
 def _activation_bytes(rank, world_size):
