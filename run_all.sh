@@ -6,15 +6,28 @@
 #   ./run_all.sh --bench   a longer config; custom and pytorch runs alternate for $ROUNDS rounds in one
 #                          invocation, next to one process using every core on the same global batch
 #                          (the limit on one machine); prints tokens/s, peak memory and the ratios.
+#   ./run_all.sh --dry-run the plan (each run, its ranks and device), without running anything.
+# Devices: with no GPU every run is on the CPU (gloo); with at least NPROC GPUs, on the GPUs (nccl). With
+# fewer GPUs than NPROC (one GPU: NCCL refuses two ranks on one device) the NPROC-rank smoke runs on the
+# CPU, which still checks parity, and every script also runs at world size 1 on the GPU, in bf16, against
+# a one-process GPU reference (runs/smoke-gpu); --bench refuses there.
 # Environment: NPROC (ranks, default 2), ROUNDS (bench rounds, default 3), PYTHON (default python3),
-#              ONLY (a subset of strategies, e.g. ONLY="ddp zero3 pp"; default every script present).
+#              ONLY (a subset of strategies, e.g. ONLY="ddp zero3 pp"; default every script present),
+#              GPUS (the GPU count to plan for; default torch.cuda.device_count()).
 set -uo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 NPROC=${NPROC:-2}
 ROUNDS=${ROUNDS:-3}
 MODE=smoke
-[ "${1:-}" = "--bench" ] && MODE=bench
+DRY=0
+for arg in "$@"; do
+  case $arg in
+    --bench) MODE=bench ;;
+    --dry-run) DRY=1 ;;
+    *) echo "error: run_all.sh: unknown argument $arg (--bench, --dry-run)" >&2; exit 2 ;;
+  esac
+done
 
 # What it needs: the packages, and offline copies of the data and tokenizer when ../shared has them.
 "$PYTHON" -c "import torch, tiktoken, numpy, tensorboard" 2>/dev/null || "$PYTHON" -m pip install -q -r requirements.txt || exit 1
@@ -25,9 +38,23 @@ fi
 
 SCRIPTS=$(for s in ${ONLY:-ddp fsdp zero3 tp pp cp}; do [ -f "${s}_train.py" ] && echo "$s"; done)
 has() { [[ " $(echo $SCRIPTS) " == *" $1 "* ]]; }
-CUDA=$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))")
+GPUS=${GPUS:-$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")}
+DEVICE=cpu   # where the NPROC-rank runs go
+GPU_ROWS=0   # 1: every script also at world size 1 on the GPU
+if [ "$GPUS" -ge "$NPROC" ]; then
+  DEVICE=cuda
+elif [ "$GPUS" -gt 0 ]; then
+  if [ "$MODE" = bench ]; then
+    echo "error: run_all.sh --bench: $NPROC ranks need $NPROC GPUs, this machine has $GPUS; run NPROC=$GPUS" \
+         "./run_all.sh --bench, or CUDA_VISIBLE_DEVICES= ./run_all.sh --bench for the CPU" >&2
+    exit 2
+  fi
+  GPU_ROWS=1
+  echo "$GPUS GPU(s) for $NPROC ranks: the $NPROC-rank runs use the CPU (gloo); every script also runs at" \
+       "world size 1 on the GPU"
+fi
 RUNS=runs/$MODE
-rm -rf "$RUNS" && mkdir -p "$RUNS"
+[ "$DRY" = 1 ] || { rm -rf "$RUNS" runs/smoke-gpu && mkdir -p "$RUNS"; }
 COMMON="--eval_interval 0 --tensorboard false --log_interval 10"
 if [ "$MODE" = smoke ]; then
   FLAGS="$COMMON --max_iters 10"           # the default model: 4 layers, 128 wide, batch 16 x 64
@@ -35,37 +62,51 @@ else
   FLAGS="$COMMON --max_iters 30 --warmup_iters 5"
 fi
 
-run() {  # run NAME NPROC SCRIPT FLAGS...: one training run into $RUNS/NAME
+run() {  # run NAME NPROC SCRIPT FLAGS...: one training run into $RUNS/NAME, on $DEVICE
   local name=$1 nproc=$2 script=$3; shift 3
   local dir=$RUNS/$name
+  if [ "$DRY" = 1 ]; then
+    printf '  %-30s %s rank(s) on %-4s %s %s\n' "$RUNS/$name" "$nproc" "$DEVICE" "$script" "$*"
+    return
+  fi
   mkdir -p "$dir"
+  echo "$DEVICE x$nproc" >"$dir/device"
   if [ "$nproc" = 1 ]; then
-    "$PYTHON" "$script" "$@" --out_dir "$dir" >"$dir/log.txt" 2>&1
+    "$PYTHON" "$script" "$@" --device "$DEVICE" --out_dir "$dir" >"$dir/log.txt" 2>&1
   else
-    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" "$script" "$@" --out_dir "$dir" >"$dir/log.txt" 2>&1
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" "$script" "$@" --device "$DEVICE" \
+      --out_dir "$dir" >"$dir/log.txt" 2>&1
   fi
   local code=$?
   echo $code >"$dir/exit_code"
-  printf '  %-22s exit %s\n' "$name" "$code"
+  printf '  %-30s exit %s\n' "$name ($DEVICE)" "$code"
 }
 
-run_strategies() {  # run_strategies SUFFIX: every script present, custom then pytorch
+run_strategies() {  # run_strategies SUFFIX NPROC: every script present, custom then pytorch, on $DEVICE
   for s in $SCRIPTS; do
     for impl in custom pytorch; do
-      [ "$s-$impl" = cp-pytorch ] && [ "$CUDA" = 0 ] && continue  # torch's context_parallel: CUDA SDPA kernels only
-      run "$s-$impl$1" "$NPROC" "${s}_train.py" $FLAGS --implementation $impl
+      [ "$s-$impl" = cp-pytorch ] && [ "$DEVICE" = cpu ] && continue  # torch's context_parallel: CUDA SDPA kernels only
+      run "$s-$impl$1" "$2" "${s}_train.py" $FLAGS --implementation $impl
     done
   done
 }
 
-echo "nanodist $MODE: $NPROC ranks, strategies: $(echo $SCRIPTS)"
+echo "nanodist $MODE: $NPROC ranks on $DEVICE, strategies: $(echo $SCRIPTS)"
 if [ "$MODE" = smoke ]; then
   run reference 1 ddp_train.py $FLAGS
-  run_strategies ""
+  run_strategies "" "$NPROC"
+  if [ "$GPU_ROWS" = 1 ]; then  # world size 1 on the GPU, in bf16 as GPU users train, vs a one-process GPU run
+    RUNS=runs/smoke-gpu DEVICE=cuda
+    [ "$DRY" = 1 ] || mkdir -p "$RUNS"
+    FLAGS="$FLAGS --dtype bfloat16"
+    run reference 1 ddp_train.py $FLAGS
+    run_strategies "" 1
+    RUNS=runs/smoke DEVICE=cpu
+  fi
 else
   for r in $(seq 1 "$ROUNDS"); do
     run "limit-1proc-r$r" 1 ddp_train.py $FLAGS  # one process, all cores, same global batch
-    run_strategies "-r$r"
+    run_strategies "-r$r" "$NPROC"
     # Variants compared with each other in the same rounds (common.report prints their ratios): ZeRO's
     # stages 1 and 2 (stage 3 is zero3 above) and stage 1's peer, DDP + ZeroRedundancyOptimizer; the
     # pipeline at 1F1B with 8 micro-batches, with and without the head split over the stages.
@@ -115,9 +156,14 @@ else
     extra cp-custom-ring-contiguous-T1024 "$NPROC" cp_train.py $FLAGS $CP --load_balance false
   fi
 fi
+[ "$DRY" = 1 ] && exit 0
 echo
 "$PYTHON" -m common.report "$MODE" runs/$MODE
 status=$?
+if [ "$GPU_ROWS" = 1 ]; then
+  echo
+  "$PYTHON" -m common.report smoke-gpu runs/smoke-gpu || status=1
+fi
 if [ "$MODE" = bench ]; then
   echo
   "$PYTHON" -m common.report extra runs/bench-extra || status=1

@@ -11,10 +11,17 @@ import os
 import sys
 import time
 
+import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 
 from common.model import PRESETS, GPTConfig
 from common.data import GPT2_VOCAB
+
+# The oldest torch the scripts run correctly on (README, "Torch versions"). Below it gloo gets data parallelism's
+# mean wrong: before 2.8 it refuses ReduceOp.AVG, and in 2.8 its reduce-scatter sums where AVG asks for the
+# mean, so fsdp's gradients (and torch FSDP2's) come out N times too large without an error.
+TORCH_FLOOR = "2.9"
 
 
 def is_rank0():
@@ -110,6 +117,7 @@ def parse_args(strategy, add_flags=None, argv=None):
              "(open in ui.perfetto.dev or TensorBoard)")
     if add_flags is not None:
         add_flags(p.add_argument_group(strategy))
+    check_torch()
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout", "bias"):
@@ -119,6 +127,12 @@ def parse_args(strategy, add_flags=None, argv=None):
         args.lr_decay_iters = args.max_iters
     check_core_args(args)
     return args
+
+
+def check_torch():
+    if TorchVersion(torch.__version__) < TORCH_FLOOR:
+        die(f"torch {torch.__version__}: nanodist needs torch >= {TORCH_FLOOR} (before it gloo's ReduceOp.AVG is "
+            f"missing or, in reduce-scatter, a sum); pip install 'torch>={TORCH_FLOOR}'")
 
 
 def check_core_args(args):

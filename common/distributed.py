@@ -123,8 +123,11 @@ def teardown():
     gc.collect()
     if "torch.distributed.tensor" in sys.modules:
         from torch.distributed.tensor import _redistribute, debug
-        _redistribute.clear_redistribute_planner_cache()
-        debug._clear_sharding_prop_cache()
+        # Named clears where this torch has them (2.10+); older ones keep these caches in lru_caches (below).
+        for clear in (getattr(_redistribute, "clear_redistribute_planner_cache", None),
+                      getattr(debug, "_clear_sharding_prop_cache", None)):
+            if clear is not None:
+                clear()
         for cache in [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]:
             if getattr(cache, "__module__", "").startswith("torch.distributed"):  # e.g. MeshTopoInfo.build_from_mesh
                 cache.cache_clear()

@@ -1,6 +1,10 @@
 """common/report.py: the tables run_all.sh prints and its pass/fail verdict."""
 import json
+import os
+import re
+import subprocess
 
+from conftest import REPO
 from common import report
 
 
@@ -75,3 +79,47 @@ def test_extra_table_shows_strategy_specific_keys_and_fails_on_a_crash(tmp_path,
     assert "bubble 25.0%" in out and "theory 11.1%" in out
     fake_run(tmp_path, "fsdp-custom-noprefetch", [10.0], exit_code=1)
     assert report.extra(str(tmp_path)) == 1
+
+
+def plan(gpus, *args, nproc="2"):
+    """run_all.sh --dry-run's plan for a machine with `gpus` GPUs: [(run, ranks, device, command)], stdout, exit."""
+    env = dict(os.environ, GPUS=str(gpus), NPROC=nproc)
+    result = subprocess.run(["bash", "run_all.sh", "--dry-run", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=60)
+    rows = [re.match(r"\s+(\S+)\s+(\d+) rank\(s\) on (\w+)\s+(.*)", line) for line in result.stdout.splitlines()]
+    return [m.groups() for m in rows if m], result
+
+
+def test_run_all_plans_cpu_without_a_gpu():
+    rows, result = plan(0)
+    assert result.returncode == 0 and "GPU(s) for" not in result.stdout
+    assert {device for _, _, device, _ in rows} == {"cpu"}
+    assert ("runs/smoke/reference", "1") == rows[0][:2]
+    assert all(ranks == "2" for name, ranks, _, _ in rows[1:])
+    assert "runs/smoke/cp-pytorch" not in [r[0] for r in rows]  # torch's context_parallel: CUDA only
+    assert not any(name.startswith("runs/smoke-gpu") for name, *_ in rows)
+
+
+def test_run_all_on_one_gpu_runs_the_ranks_on_cpu_and_each_script_at_world_size_1_on_the_gpu():
+    rows, result = plan(1)
+    assert result.returncode == 0
+    assert result.stdout.count("1 GPU(s) for 2 ranks: the 2-rank runs use the CPU (gloo)") == 1
+    cpu = [r for r in rows if r[0].startswith("runs/smoke/")]
+    gpu = [r for r in rows if r[0].startswith("runs/smoke-gpu/")]
+    assert {r[2] for r in cpu} == {"cpu"} and {r[2] for r in gpu} == {"cuda"}
+    assert all(ranks == "2" for name, ranks, _, _ in cpu if not name.endswith("reference"))
+    assert all(ranks == "1" and "--dtype bfloat16" in command for _, ranks, _, command in gpu)
+    scripts = ["ddp", "fsdp", "zero3", "tp", "pp", "cp"]
+    assert [r[0] for r in gpu] == ["runs/smoke-gpu/reference"] + [f"runs/smoke-gpu/{s}-{i}" for s in scripts
+                                                                  for i in ("custom", "pytorch")]
+    rows, result = plan(1, "--bench")  # refused, with one line
+    assert rows == [] and result.returncode == 2 and len(result.stderr.splitlines()) == 1
+    assert result.stderr.startswith("error: run_all.sh --bench: 2 ranks need 2 GPUs, this machine has 1")
+
+
+def test_run_all_uses_the_gpus_when_there_are_enough():
+    rows, result = plan(2)
+    assert result.returncode == 0 and {r[2] for r in rows} == {"cuda"}
+    assert "runs/smoke/cp-pytorch" in [r[0] for r in rows]
+    rows, _ = plan(1, nproc="1")  # NPROC=1 on one GPU: every run on it
+    assert {r[2] for r in rows} == {"cuda"} and not any(r[0].startswith("runs/smoke-gpu") for r in rows)
