@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from common.checkpoint import checkpoint, optimizer_state_by_name, resume, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import (all_gather_single, autocast, clip_grad_norm_, reduce_scatter_single, setup,
-                                setup_data, teardown, uses_cuda)
+from common.distributed import (all_gather_single, autocast, clip_grad_norm_, reduce_scatter_single,
+                                setup, setup_data, teardown, uses_cuda)
 from common.metrics import Metrics, Profiler, activations, model_state_bytes, timers
 from common.model import GPT, CausalSelfAttention, configure_optimizer, materialize_, num_params
 

@@ -38,8 +38,8 @@ from common.checkpoint import checkpoint as full_checkpoint, config_mismatch, lo
     set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import (all_gather_single, autocast, clip_grad_norm_, die_on_any, reduce_scatter_single,
-                                setup, setup_data, teardown)
+from common.distributed import (all_gather_single, autocast, clip_grad_norm_, die_on_any,
+                                reduce_scatter_single, setup, setup_data, teardown)
 from common.metrics import Metrics, Profiler, model_state_bytes, timers
 from common.model import GPT, configure_optimizer, init_tensor, num_params
 

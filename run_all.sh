@@ -7,12 +7,12 @@
 #                          invocation, next to one process using every core on the same global batch
 #                          (the limit on one machine); prints tokens/s, peak memory and the ratios.
 #   ./run_all.sh --dry-run the plan (each run, its ranks and device), without running anything.
-# Devices: with no GPU every run is on the CPU (gloo); with at least NPROC GPUs, on the GPUs (nccl). With
-# fewer GPUs than NPROC (one GPU: NCCL refuses two ranks on one device) the NPROC-rank smoke runs on the
-# CPU, which still checks parity, and every script also runs at world size 1 on the GPU, in bf16, against
-# a one-process GPU reference (runs/smoke-gpu); --bench refuses there.
+# Devices: with no GPU every run is on the CPU (gloo); with at least NPROC GPUs, on the GPUs (nccl).
+# With fewer GPUs than NPROC (one GPU: NCCL refuses two ranks on one device) the NPROC-rank smoke
+# runs on the CPU, which still checks parity, and every script also runs at world size 1 on the GPU,
+# in bf16, against a one-process GPU reference (runs/smoke-gpu); --bench refuses there.
 # Environment: NPROC (ranks, default 2), ROUNDS (bench rounds, default 3), PYTHON (default python3),
-#              ONLY (a subset of strategies, e.g. ONLY="ddp zero3 pp"; default every script present),
+#              ONLY (a subset of strategies, e.g. ONLY="ddp zero3 pp"; default: every script),
 #              GPUS (the GPU count to plan for; default torch.cuda.device_count()).
 set -uo pipefail
 cd "$(dirname "$0")"
@@ -45,13 +45,14 @@ if [ "$GPUS" -ge "$NPROC" ]; then
   DEVICE=cuda
 elif [ "$GPUS" -gt 0 ]; then
   if [ "$MODE" = bench ]; then
-    echo "error: run_all.sh --bench: $NPROC ranks need $NPROC GPUs, this machine has $GPUS; run NPROC=$GPUS" \
-         "./run_all.sh --bench, or CUDA_VISIBLE_DEVICES= ./run_all.sh --bench for the CPU" >&2
+    echo "error: run_all.sh --bench: $NPROC ranks need $NPROC GPUs, this machine has $GPUS;" \
+         "run NPROC=$GPUS ./run_all.sh --bench, or CUDA_VISIBLE_DEVICES= ./run_all.sh --bench" \
+         "for the CPU" >&2
     exit 2
   fi
   GPU_ROWS=1
-  echo "$GPUS GPU(s) for $NPROC ranks: the $NPROC-rank runs use the CPU (gloo); every script also runs at" \
-       "world size 1 on the GPU"
+  echo "$GPUS GPU(s) for $NPROC ranks: the $NPROC-rank runs use the CPU (gloo);" \
+       "every script also runs at world size 1 on the GPU"
 fi
 RUNS=runs/$MODE
 [ "$DRY" = 1 ] || { rm -rf "$RUNS" runs/smoke-gpu && mkdir -p "$RUNS"; }
@@ -74,18 +75,19 @@ run() {  # run NAME NPROC SCRIPT FLAGS...: one training run into $RUNS/NAME, on 
   if [ "$nproc" = 1 ]; then
     "$PYTHON" "$script" "$@" --device "$DEVICE" --out_dir "$dir" >"$dir/log.txt" 2>&1
   else
-    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" "$script" "$@" --device "$DEVICE" \
-      --out_dir "$dir" >"$dir/log.txt" 2>&1
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" "$script" "$@" \
+      --device "$DEVICE" --out_dir "$dir" >"$dir/log.txt" 2>&1
   fi
   local code=$?
   echo $code >"$dir/exit_code"
   printf '  %-30s exit %s\n' "$name ($DEVICE)" "$code"
 }
 
-run_strategies() {  # run_strategies SUFFIX NPROC: every script present, custom then pytorch, on $DEVICE
+run_strategies() {  # run_strategies SUFFIX NPROC: every script, custom then pytorch, on $DEVICE
   for s in $SCRIPTS; do
     for impl in custom pytorch; do
-      [ "$s-$impl" = cp-pytorch ] && [ "$DEVICE" = cpu ] && continue  # torch's context_parallel: CUDA SDPA kernels only
+      # torch's context_parallel: CUDA SDPA kernels only
+      [ "$s-$impl" = cp-pytorch ] && [ "$DEVICE" = cpu ] && continue
       run "$s-$impl$1" "$2" "${s}_train.py" $FLAGS --implementation $impl
     done
   done
@@ -95,7 +97,7 @@ echo "nanodist $MODE: $NPROC ranks on $DEVICE, strategies: $(echo $SCRIPTS)"
 if [ "$MODE" = smoke ]; then
   run reference 1 ddp_train.py $FLAGS
   run_strategies "" "$NPROC"
-  if [ "$GPU_ROWS" = 1 ]; then  # world size 1 on the GPU, in bf16 as GPU users train, vs a one-process GPU run
+  if [ "$GPU_ROWS" = 1 ]; then  # world size 1 on the GPU, in bf16 as GPU users train it
     RUNS=runs/smoke-gpu DEVICE=cuda
     [ "$DRY" = 1 ] || mkdir -p "$RUNS"
     FLAGS="$FLAGS --dtype bfloat16"

@@ -44,8 +44,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 from common.checkpoint import checkpoint, resume, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import (all_gather_single, autocast, clip_grad_norm_, reduce_scatter_single, setup,
-                                setup_data, teardown)
+from common.distributed import (all_gather_single, autocast, clip_grad_norm_, reduce_scatter_single,
+                                setup, setup_data, teardown)
 from common.metrics import Metrics, Profiler, activations, held_bytes, model_state_bytes
 from common.model import GPT, configure_optimizer, init_tensor
 
@@ -66,7 +66,7 @@ def reduce_scatter_seq(x, group):
     """(B, T, C) partial sums on the ranks -> (B, T/tp_size, C): this rank's sequence shard of the sum."""
     chunks = torch.cat(x.chunk(dist.get_world_size(group), dim=1))  # (tp_size*B, T/tp_size, C): shard r at rows r*B..
     out = chunks.new_empty((x.size(0),) + chunks.shape[1:])
-    reduce_scatter_single(out, chunks, group=group)  # each rank sends the others' shards, gets its summed one
+    reduce_scatter_single(out, chunks, group=group)  # sends the others' shards, gets its own summed
     return out
 
 
@@ -545,12 +545,13 @@ def parallelize_torch(model, tp_mesh, sequence_parallel, loss_parallel):
         fork_sequence_parallel_dropouts(model, tp_mesh.get_local_rank())
     parallelize_module(model, tp_mesh, plan)
     model.tie_weights()  # parallelize_module gives wte and lm_head separate DTensor Parameters
-    # AdamW's multi-tensor paths (foreach, its default on CUDA, and fused) update all parameters in one
-    # call, which refuses a mix of DTensor and Tensor. So, as torchtitan does, the modules the plan leaves
-    # alone (without SP: the LayerNorms and wpe) get Replicate DTensor parameters too: distribute_module
-    # replicates them (each rank keeps its own equal copy: no communication), their input becomes a
-    # Replicate DTensor and their output local again. The arithmetic is unchanged, and their gradients
-    # come back Replicate: the full gradient on every TP rank, as the plain tensors' were.
+    # AdamW's multi-tensor paths (foreach, its default on CUDA, and fused) update all parameters in
+    # one call, which refuses a mix of DTensor and Tensor. So, as torchtitan does, the modules the
+    # plan leaves alone (without SP: the LayerNorms and wpe) get Replicate DTensor parameters too:
+    # distribute_module replicates them (each rank keeps its own equal copy: no communication),
+    # their input becomes a Replicate DTensor and their output local again. The arithmetic is
+    # unchanged, and their gradients come back Replicate: the full gradient on every TP rank, as the
+    # plain tensors' did.
     for module in model.modules():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             distribute_module(module, tp_mesh, input_fn=replicated_input, output_fn=local_output)

@@ -18,9 +18,9 @@ from torch.torch_version import TorchVersion
 from common.model import PRESETS, GPTConfig
 from common.data import GPT2_VOCAB
 
-# The oldest torch the scripts run correctly on (README, "Torch versions"). Below it gloo gets data parallelism's
-# mean wrong: before 2.8 it refuses ReduceOp.AVG, and in 2.8 its reduce-scatter sums where AVG asks for the
-# mean, so fsdp's gradients (and torch FSDP2's) come out N times too large without an error.
+# The oldest torch the scripts run correctly on (README, "Torch versions"). Below it gloo gets data
+# parallelism's mean wrong: before 2.8 it refuses ReduceOp.AVG, and in 2.8 its reduce-scatter sums
+# where AVG asks for the mean, so fsdp's gradients (and torch FSDP2's) are N times too large.
 TORCH_FLOOR = "2.9"
 
 
@@ -131,8 +131,9 @@ def parse_args(strategy, add_flags=None, argv=None):
 
 def check_torch():
     if TorchVersion(torch.__version__) < TORCH_FLOOR:
-        die(f"torch {torch.__version__}: nanodist needs torch >= {TORCH_FLOOR} (before it gloo's ReduceOp.AVG is "
-            f"missing or, in reduce-scatter, a sum); pip install 'torch>={TORCH_FLOOR}'")
+        die(f"torch {torch.__version__}: nanodist needs torch >= {TORCH_FLOOR} (before it gloo's "
+            f"ReduceOp.AVG is missing or, in reduce-scatter, a sum); "
+            f"pip install 'torch>={TORCH_FLOOR}'")
 
 
 def check_core_args(args):

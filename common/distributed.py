@@ -27,15 +27,16 @@ from common.config import die
 
 
 def all_gather_single(output, input, group=None, async_op=False):
-    """dist.all_gather_single: every rank's `input`, in rank order, into `output`. torch 2.13 gave the
-    collective this name (there the old one, all_gather_into_tensor, warns); older torch has only the old."""
+    """dist.all_gather_single: every rank's `input`, in rank order, into `output`. torch 2.13 gave
+    the collective this name (there the old one, all_gather_into_tensor, warns); older torch has
+    only the old one."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    """dist.reduce_scatter_single: `input` summed (op) over the ranks, rank r keeps its r-th chunk in
-    `output`. torch 2.13's name; before it, reduce_scatter_tensor (which 2.13 keeps, with a warning)."""
+    """dist.reduce_scatter_single: `input` summed (op) over the ranks, rank r keeps its r-th chunk
+    in `output`. torch 2.13's name; before it, reduce_scatter_tensor (2.13 keeps it, and warns)."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, input, op=op, group=group, async_op=async_op)
 
@@ -123,7 +124,7 @@ def teardown():
     gc.collect()
     if "torch.distributed.tensor" in sys.modules:
         from torch.distributed.tensor import _redistribute, debug
-        # Named clears where this torch has them (2.10+); older ones keep these caches in lru_caches (below).
+        # Named clears where torch has them (2.10+); older ones keep these caches in lru_caches.
         for clear in (getattr(_redistribute, "clear_redistribute_planner_cache", None),
                       getattr(debug, "_clear_sharding_prop_cache", None)):
             if clear is not None:
@@ -134,13 +135,14 @@ def teardown():
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
-    # torch 2.10 and 2.11 leak one reference to the specs of every DTensor op's arguments (pytorch#181761,
-    # fixed in #181792): those pin their DeviceMesh, whose _pg_registry holds the mesh's groups, beyond any
-    # API's reach. On every other version no mesh outlives main() and this loop finds nothing; there it
-    # empties the leaked meshes' registries, so the groups themselves are freed (the small specs stay).
+    # torch 2.10 and 2.11 leak one reference to the specs of every DTensor op's arguments
+    # (pytorch#181761, fixed in #181792): those pin their DeviceMesh, whose _pg_registry holds the
+    # mesh's groups, beyond any API's reach. On every other version no mesh outlives main() and this
+    # loop finds none; there it empties the leaked meshes' registries, so the groups are freed.
     if "torch.distributed.device_mesh" in sys.modules:
         from torch.distributed.device_mesh import DeviceMesh
-        for mesh in [o for o in gc.get_objects() if type(o) is DeviceMesh]:  # not isinstance: it reads __class__
+        meshes = [o for o in gc.get_objects() if type(o) is DeviceMesh]  # not isinstance: warns
+        for mesh in meshes:
             getattr(mesh, "_pg_registry", {}).clear()
         gc.collect()
     alive = backend_threads()

@@ -1,12 +1,12 @@
 """The tables run_all.sh prints, read from the runs' metrics.jsonl files.
 
   python -m common.report smoke RUNS_DIR   # one row per run vs RUNS_DIR/reference; exit 1 on failure/divergence
-  python -m common.report smoke-gpu RUNS_DIR   # the same for bf16 runs at world size 1 on a GPU (GPU_BF16_TOL)
+  python -m common.report smoke-gpu RUNS_DIR   # the same, bf16 at world size 1 on a GPU
   python -m common.report bench RUNS_DIR   # median tokens/s per (strategy, implementation) over alternating
                                            # rounds, custom/pytorch ratios, and ratios to the 1-process limit
   python -m common.report extra RUNS_DIR   # one row per run with the strategy-specific summary keys
-Run folders are named <strategy>-<implementation>[-r<round>]; each holds metrics.jsonl, exit_code and
-device (where it ran, e.g. "cpu x2").
+Run folders are named <strategy>-<implementation>[-r<round>]; each holds metrics.jsonl, exit_code
+and device (where it ran, e.g. "cpu x2").
 """
 import functools
 import json
@@ -15,10 +15,11 @@ import statistics
 import sys
 
 SMOKE_TOL = 1e-4  # a run "diverges" when a step's loss is further than this from the reference
-# The GPU rows: bf16 against a bf16 reference. Each script rounds to bf16 at its own places (fsdp gathers bf16
-# parameters, the pipeline sends bf16 activations) and CUDA's kernels sum in their own orders; bf16 against
-# fp32 measured up to 6e-4 over 15 steps on CPU (tests/test_bf16.py, whose tolerance this is), while a
-# strategy that trains on the wrong rows, shards or learning rate is off by 1e-2 or more within a step.
+# The GPU rows: bf16 against a bf16 reference. Each script rounds to bf16 at its own places (fsdp
+# gathers bf16 parameters, the pipeline sends bf16 activations) and CUDA's kernels sum in their own
+# orders; bf16 against fp32 measured up to 6e-4 over 15 steps on CPU (tests/test_bf16.py, whose
+# tolerance this is), while a strategy that trains on the wrong rows, shards or learning rate is
+# off by 1e-2 or more within a step.
 GPU_BF16_TOL = 5e-3
 
 
@@ -52,8 +53,8 @@ def smoke(runs_dir, tol=SMOKE_TOL):
         print(f"FAILED: the single-process reference run ({runs_dir}/reference) failed")
         return 1
     failed = []
-    print(f"{'strategy':<10} {'impl':<8} {'device':<8} {'final loss':>10} {'max |dloss|':>12} {'tokens/s':>10} "
-          f"{'peak MiB/rank':>14}  status")
+    print(f"{'strategy':<10} {'impl':<8} {'device':<8} {'final loss':>10} {'max |dloss|':>12} "
+          f"{'tokens/s':>10} {'peak MiB/rank':>14}  status")
     for name in sorted(os.listdir(runs_dir)):
         if name == "reference" or not os.path.isdir(os.path.join(runs_dir, name)):
             continue
@@ -71,9 +72,10 @@ def smoke(runs_dir, tol=SMOKE_TOL):
             peak = mib(max(run["summary"]["peak_mem_bytes_per_rank"]))
         if status != "ok":
             failed.append(name)
-        print(f"{strategy:<10} {implementation:<8} {run['device']:<8} {final:>10} {delta:>12} {tps:>10} {peak:>14}  "
-              f"{status}")
-    print(f"reference (1 process, {reference['device']}): final loss {reference['losses'][-1]:.4f}, "
+        print(f"{strategy:<10} {implementation:<8} {run['device']:<8} {final:>10} {delta:>12} "
+              f"{tps:>10} {peak:>14}  {status}")
+    print(f"reference (1 process, {reference['device']}): "
+          f"final loss {reference['losses'][-1]:.4f}, "
           f"{reference['summary']['tokens_per_sec']:,.0f} tokens/s")
     if failed:
         print("FAILED: " + ", ".join(failed))
@@ -171,4 +173,5 @@ def extra(runs_dir):
 if __name__ == "__main__":
     mode, runs_dir = sys.argv[1], sys.argv[2]
     smoke_gpu = functools.partial(smoke, tol=GPU_BF16_TOL)
-    sys.exit({"smoke": smoke, "smoke-gpu": smoke_gpu, "bench": bench, "extra": extra}[mode](runs_dir))
+    modes = {"smoke": smoke, "smoke-gpu": smoke_gpu, "bench": bench, "extra": extra}
+    sys.exit(modes[mode](runs_dir))

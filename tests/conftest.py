@@ -45,14 +45,16 @@ def prepared_data():
     assert error is None, error
 
 
-def launch(script, nproc, args, timeout=300, check_teardown=True, torchrun=True):
+def launch(script, nproc, args, timeout=300, check_teardown=True, torchrun=True, old_names=False):
     """Run a strategy script: plain python when nproc is None, else nproc ranks under torchrun.
 
     torchrun=False starts the nproc ranks as `python script` processes given the environment torchrun
     gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT with a free
     port, OMP_NUM_THREADS=1): the same code path in the script (env:// rendezvous, rank 0 hosts the
     store), without torchrun's own start-up, about 2 s a launch here. The numeric tests (parity,
-    resume) use it; everything about how a job starts, fails or restarts keeps torchrun."""
+    resume) use it; everything about how a job starts, fails or restarts keeps torchrun.
+    Every launch but old_names=True (launch_as_user's) checks that no collective was called by a name torch
+    2.13 deprecates (common.distributed picks the new one where it exists)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if nproc is None:
         ranks = [([sys.executable, script], env)]
@@ -97,6 +99,9 @@ def launch(script, nproc, args, timeout=300, check_teardown=True, torchrun=True)
     # alive into interpreter shutdown can abort a finished run (SIGABRT) about once in 100 launches.
     if check_teardown:
         assert "warning: teardown" not in stderr, stderr[-3000:]
+    if not old_names:
+        assert not re.search(r"torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+                             stderr), stderr[-3000:]
     return subprocess.CompletedProcess(procs[0].args, next((c for c in codes if c), 0), stdout, stderr)
 
 
@@ -146,6 +151,24 @@ def probe(script, nproc, args, tmp_path):
     return [json.loads((tmp_path / "probe" / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
+def launch_as_user(script, nproc, args, adamw="foreach"):
+    """Runs the script under tests/user_torch.py on nproc ranks (torchrun=False): AdamW on its `adamw` path
+    (foreach: CUDA's default; or fused) and the project's code without torch 2.13's collective names. Returns
+    the result, with .adamw_multi_tensor_steps: each rank's count of multi-tensor AdamW updates."""
+    with tempfile.TemporaryDirectory() as out:
+        env = {"USER_TORCH_OUT": out, "USER_TORCH_ADAMW": adamw, "USER_TORCH_BEFORE_2_13": "1"}
+        os.environ.update(env)
+        try:
+            result = launch("tests/user_torch.py", nproc, [script, *args], torchrun=False, old_names=True)
+        finally:
+            for key in env:
+                del os.environ[key]
+        assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        result.adamw_multi_tensor_steps = [json.loads(open(os.path.join(out, f"rank{r}.json")).read())
+                                           ["adamw_multi_tensor_steps"] for r in range(nproc or 1)]
+    return result
+
+
 def read_metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -162,16 +185,21 @@ PARITY = TINY + ["--learning_rate", "1e-3", "--min_lr", "1e-4", "--warmup_iters"
 
 @pytest.fixture(scope="session")
 def shared_run(tmp_path_factory):
-    """shared_run(script, nproc, args) -> (out_dir, result): each distinct (script, nproc, args) runs once
-    per session and every test that needs it (a reference, a parity row, the uninterrupted run a
-    resume is compared with) reads the same out_dir. Each torchrun launch costs seconds of start-up."""
+    """shared_run(script, nproc, args, as_user=False) -> (out_dir, result): each distinct (script, nproc, args,
+    as_user) runs once per session and every test that needs it (a reference, a parity row, the uninterrupted
+    run a resume is compared with) reads the same out_dir. Each torchrun launch costs seconds of start-up.
+    as_user: run it as launch_as_user does (AdamW's foreach path, torch < 2.13's collective names)."""
     runs = {}
 
-    def get(script, nproc, args):
-        key = (script, nproc, tuple(args))
+    def get(script, nproc, args, as_user=False):
+        key = (script, nproc, tuple(args), as_user)
         if key not in runs:
             out_dir = tmp_path_factory.mktemp("run")
-            result = launch(script, nproc, list(args) + ["--out_dir", str(out_dir)], torchrun=False)
+            args = list(args) + ["--out_dir", str(out_dir)]
+            if as_user:
+                result = launch_as_user(script, nproc, args)
+            else:
+                result = launch(script, nproc, args, torchrun=False)
             assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
             runs[key] = out_dir, result
         return runs[key]

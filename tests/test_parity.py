@@ -6,6 +6,9 @@ Each row of STRATEGIES runs under torchrun; its per-step logged losses are compa
 The config is small, fp32, dropout 0, 15 steps at a stable learning rate: longer runs are chaotic
 (after a loss spike even 1- and 2-thread single-process runs drift apart by 0.1 by step 40).
 Each row's max |dloss| is printed and appended to out/parity.jsonl.
+The rows of AS_USERS_TORCH, one or more for each script and implementation, run as our users' torch does
+(tests/user_torch.py): AdamW on its foreach path, CUDA's default, and the project's code without torch 2.13's
+collective names (tests/test_torch_versions.py).
 """
 import json
 import math
@@ -74,6 +77,29 @@ STRATEGIES = [
     ("ddp_train.py", "custom", 2, ["--grad_accum_steps", "2"]),
     ("ddp_train.py", "pytorch", 2, ["--grad_accum_steps", "2"]),
 ]
+
+
+# (script, implementation, ranks, extra flags) of the rows run under tests/user_torch.py.
+AS_USERS_TORCH = {
+    ("cp_train.py", "custom", 2, ()), ("cp_train.py", "custom", 2, ("--cp_mode", "allgather", "--block_size", "24")),
+    ("pp_train.py", "custom", 2, ("--schedule", "1f1b", "--vocab_parallel", "--grad_accum_steps", "2")),
+    ("pp_train.py", "pytorch", 2, ("--schedule", "1f1b", "--grad_accum_steps", "2")),
+    ("zero3_train.py", "custom", 2, ()), ("zero3_train.py", "pytorch", 2, ()),
+    ("zero3_train.py", "custom", 2, ("--stage", "1")),  # OwnedAdamW
+    ("zero3_train.py", "pytorch", 2, ("--stage", "1", "--grad_accum_steps", "2")),  # inside ZeroRedundancyOptimizer
+    ("zero3_train.py", "custom", 2, ("--stage", "2")),
+    ("tp_train.py", "custom", 2, ()),
+    ("tp_train.py", "pytorch", 2, ()),  # without SP its LayerNorms and wpe were plain tensors: foreach refused them
+    ("tp_train.py", "pytorch", 2, ("--sequence_parallel", "--loss_parallel", "false")),
+    ("tp_train.py", "pytorch", 4, ("--tensor_parallel_size", "2", "--sequence_parallel", "--grad_accum_steps", "2")),
+    ("fsdp_train.py", "custom", 2, ()), ("fsdp_train.py", "pytorch", 2, ()),  # ShardedAdamW; FSDP2
+    ("ddp_train.py", "custom", 2, ()), ("ddp_train.py", "pytorch", 2, ()),
+}
+
+
+def row_id(script, implementation, nproc, extra):
+    user = "-as_user" if (script, implementation, nproc, tuple(extra)) in AS_USERS_TORCH else ""
+    return f"{script[:-9]}-{implementation}-{nproc}r{'-' + '-'.join(extra).replace('--', '') if extra else ''}{user}"
 
 
 def plain_pytorch_losses(steps=STEPS, lr_max=1e-3, lr_min=1e-4, warmup=5, seed=1337,
@@ -148,16 +174,18 @@ def test_reference_equals_plain_pytorch(references):
     assert reference[-1] < reference[0] - 0.5, "the loss should fall visibly"
 
 
-@pytest.mark.parametrize("script,implementation,nproc,extra", STRATEGIES,
-                         ids=[f"{s[:-9]}-{i}-{n}r{'-' + '-'.join(e).replace('--', '') if e else ''}"
-                              for s, i, n, e in STRATEGIES])
+@pytest.mark.parametrize("script,implementation,nproc,extra", STRATEGIES, ids=[row_id(*row) for row in STRATEGIES])
 def test_parity(script, implementation, nproc, extra, references, shared_run):
     reference, plain = references(extra)
-    losses = step_losses(shared_run(script, nproc, FLAGS + ["--implementation", implementation] + extra)[0])
+    as_user = (script, implementation, nproc, tuple(extra)) in AS_USERS_TORCH
+    out_dir, result = shared_run(script, nproc, FLAGS + ["--implementation", implementation] + extra, as_user)
+    if as_user:  # every rank took AdamW's multi-tensor path at every step
+        assert min(result.adamw_multi_tensor_steps) >= STEPS, result.adamw_multi_tensor_steps
+    losses = step_losses(out_dir)
     assert len(losses) == STEPS
     vs_reference = max(abs(a - b) for a, b in zip(losses, reference))
     vs_plain = max(abs(a - b) for a, b in zip(losses, plain))
-    record(f"{script} {implementation} {nproc} ranks {' '.join(extra)}",
+    record(row_id(script, implementation, nproc, extra),
            {"max_abs_dloss_vs_reference": vs_reference, "max_abs_dloss_vs_plain": vs_plain})
     assert vs_reference <= TOL, (losses, reference)
     assert vs_plain <= TOL, (losses, plain)
