@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch.autograd.graph import get_gradient_edge
 
 from common.checkpoint import checkpoint, resume, set_adamw_state
-from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
+from common.config import add_bool, check_batch_split, check_torch, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
 from common.metrics import Metrics, Profiler, SavedActivations, model_state_bytes, timers
@@ -467,6 +467,12 @@ def check_pp_args(args, world_size):
             f"--grad_accum_steps) must be divisible by --n_microbatches ({args.n_microbatches})")
     if args.schedule == "interleaved" and args.n_microbatches % pp_size:
         die(f"--n_microbatches: must be a multiple of the number of ranks ({pp_size}) for --schedule interleaved")
+    if args.implementation == "pytorch":  # what torch's schedules need beyond the floor, seen on gloo
+        check_torch("2.10", "--implementation: pytorch (torch.distributed.pipelining)",
+                    "on 2.9 its first step's shape inference fails: received data size doesn't match")
+        if args.dtype == "bfloat16":
+            check_torch("2.11", "--dtype: bfloat16 with --implementation pytorch",
+                        "on 2.10 no gradient reaches the last stage's lm_head under autocast")
     return 1
 
 

@@ -129,11 +129,12 @@ def parse_args(strategy, add_flags=None, argv=None):
     return args
 
 
-def check_torch():
-    if TorchVersion(torch.__version__) < TORCH_FLOOR:
-        die(f"torch {torch.__version__}: nanodist needs torch >= {TORCH_FLOOR} (before it gloo's "
-            f"ReduceOp.AVG is missing or, in reduce-scatter, a sum); "
-            f"pip install 'torch>={TORCH_FLOOR}'")
+def check_torch(needed=TORCH_FLOOR, what="nanodist",
+                why="before it gloo's ReduceOp.AVG is missing or, in reduce-scatter, a sum"):
+    """One error line if this torch is older than `needed`: the floor, or what a PyTorch peer needs."""
+    if TorchVersion(torch.__version__) < needed:
+        die(f"{what} needs torch >= {needed}, this is {torch.__version__} ({why}); "
+            f"pip install 'torch>={needed}'")
 
 
 def check_core_args(args):

@@ -13,13 +13,27 @@ import tempfile
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 import torch.multiprocessing as mp
 
 # The torch.distributed function that common.distributed's all_gather_single / reduce_scatter_single call on this
 # torch (2.13 renamed all_gather_into_tensor and reduce_scatter_tensor): a test that counts collectives wraps it.
 DIST_NAME = {new: new if hasattr(dist, new) else old for new, old in (("all_gather_single", "all_gather_into_tensor"),
                                                                       ("reduce_scatter_single", "reduce_scatter_tensor"))}
+
+# What PyTorch's own implementations need beyond the floor (common.config.TORCH_FLOOR), as the scripts refuse
+# it: (script, implementation, dtype) -> torch version. Tests of those runs are skipped on an older torch.
+PEER_NEEDS = {("pp_train.py", "pytorch", "float32"): "2.10", ("pp_train.py", "pytorch", "bfloat16"): "2.11"}
+
+
+def peer_needs(script, implementation, dtype="float32"):
+    """A skip mark for a run this torch refuses (see PEER_NEEDS), or no mark."""
+    needed = PEER_NEEDS.get((script, implementation, dtype))
+    too_old = needed is not None and TorchVersion(torch.__version__) < needed
+    return [pytest.mark.skipif(too_old, reason=f"{script} {implementation} {dtype} needs torch >= {needed}")]
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(REPO), "shared")

@@ -15,7 +15,7 @@ gradients over ranks rounded to bf16 would differ by about 1e-4 at 2 ranks) the 
 """
 import pytest
 
-from conftest import PARITY, PARITY_STEPS, probe, step_losses
+from conftest import PARITY, PARITY_STEPS, peer_needs, probe, step_losses
 
 FLAGS = PARITY + ["--max_iters", str(PARITY_STEPS)]
 TOL = 5e-3
@@ -30,7 +30,8 @@ FP32_GRADIENTS = {"ddp_train.py": "all_reduce:torch.float32", "fsdp_train.py": "
                   "zero3_train.py": "reduce:torch.float32", "cp_train.py": "all_reduce:torch.float32"}
 
 
-@pytest.mark.parametrize("script,implementation", RUNS, ids=[f"{s[:-9]}-{i}" for s, i in RUNS])
+@pytest.mark.parametrize("script,implementation", [pytest.param(*r, marks=peer_needs(*r, "bfloat16")) for r in RUNS],
+                         ids=[f"{s[:-9]}-{i}" for s, i in RUNS])
 def test_bf16_tracks_fp32_and_sends_bf16(script, implementation, shared_run, tmp_path):
     reference = step_losses(shared_run("ddp_train.py", None, FLAGS)[0])
     ranks = probe(script, 2, [*FLAGS, "--dtype", "bfloat16", "--implementation", implementation,

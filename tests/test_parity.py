@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from conftest import PARITY, PARITY_STEPS, REPO, step_losses
+from conftest import PARITY, PARITY_STEPS, REPO, peer_needs, step_losses
 from common.data import get_batch
 from common.model import GPT, GPTConfig
 
@@ -174,7 +174,9 @@ def test_reference_equals_plain_pytorch(references):
     assert reference[-1] < reference[0] - 0.5, "the loss should fall visibly"
 
 
-@pytest.mark.parametrize("script,implementation,nproc,extra", STRATEGIES, ids=[row_id(*row) for row in STRATEGIES])
+@pytest.mark.parametrize("script,implementation,nproc,extra",
+                         [pytest.param(*row, marks=peer_needs(*row[:2])) for row in STRATEGIES],
+                         ids=[row_id(*row) for row in STRATEGIES])
 def test_parity(script, implementation, nproc, extra, references, shared_run):
     reference, plain = references(extra)
     as_user = (script, implementation, nproc, tuple(extra)) in AS_USERS_TORCH

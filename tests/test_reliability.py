@@ -22,7 +22,8 @@ import time
 import pytest
 import torch
 
-from conftest import PARITY, PARITY_STEPS, REPO, free_port, launch, read_metrics, step_losses, the_one_error
+from conftest import (PARITY, PARITY_STEPS, REPO, free_port, launch, peer_needs, read_metrics, step_losses,
+                      the_one_error)
 
 SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py"]
 TORCH_ON_CPU = SCRIPTS[:5]  # cp's PyTorch implementation needs CUDA SDPA kernels (tests/test_cp.py)
@@ -80,7 +81,7 @@ def test_resume_is_bit_identical(script, shared_run, tmp_path):
     assert _cut_and_resume(shared_run, script, "custom", tmp_path) == uninterrupted(shared_run, script, 2)
 
 
-@pytest.mark.parametrize("script", TORCH_ON_CPU)
+@pytest.mark.parametrize("script", [pytest.param(s, marks=peer_needs(s, "pytorch")) for s in TORCH_ON_CPU])
 def test_pytorch_implementation_resumes(script, shared_run, reference, tmp_path):
     """PyTorch's implementation resumes through the same code; it equals the single-process
     reference within the parity tolerance (bit-identity to itself is checked for custom above)."""

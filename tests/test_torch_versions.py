@@ -52,9 +52,15 @@ def test_the_tp_peer_resumes_on_the_foreach_path(shared_run, tmp_path):
     assert len(losses) == STEPS and max(abs(a - b) for a, b in zip(losses, reference(shared_run))) <= TOL
 
 
-def test_a_torch_below_the_floor_is_one_clear_error(monkeypatch, capsys):
+def test_a_torch_below_the_floor_or_what_a_peer_needs_is_one_clear_error(monkeypatch, capsys):
     monkeypatch.setattr(torch, "__version__", TorchVersion("2.8.0"))
     error = refusal("ddp_train.py", 2, [], monkeypatch, capsys)
-    assert error.startswith(f"error: torch 2.8.0: nanodist needs torch >= {config.TORCH_FLOOR}")
+    assert error.startswith(f"error: nanodist needs torch >= {config.TORCH_FLOOR}, this is 2.8.0 (")
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.9.1"))  # what torch's pipelining needs: 2.10, 2.11
+    error = refusal("pp_train.py", 2, ["--implementation", "pytorch"], monkeypatch, capsys)
+    assert error.startswith("error: --implementation: pytorch (torch.distributed.pipelining) needs torch >= 2.10")
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.10.0"))
+    error = refusal("pp_train.py", 2, ["--implementation", "pytorch", "--dtype", "bfloat16"], monkeypatch, capsys)
+    assert error.startswith("error: --dtype: bfloat16 with --implementation pytorch needs torch >= 2.11")
     monkeypatch.setattr(torch, "__version__", TorchVersion("2.10.0"))  # compared as a version, not as text
-    assert config.check_torch() is None
+    assert config.check_torch() is None and config.check_torch("2.10") is None
