@@ -1,4 +1,4 @@
-"""common/report.py: the tables run_all.sh prints and its pass/fail verdict."""
+"""common/report.py: the tables run_all.sh prints and its verdict; and run_all.sh's plan (--dry-run) for 0, 1, 2 GPUs."""
 import json
 import os
 import re
