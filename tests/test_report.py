@@ -1,4 +1,4 @@
-"""common/report.py: the tables run_all.sh prints and its verdict; and run_all.sh's plan (--dry-run) for 0, 1, 2 GPUs."""
+"""common/report.py's tables and verdict, and run_all.sh's plan (--dry-run) for 0, 1 and 2 GPUs."""
 import json
 import os
 import re
