@@ -26,18 +26,25 @@ from common import data
 from common.config import die
 
 
+# torch 2.13's names for two collectives, and the names older torch has (2.13 keeps those, and warns).
+BEFORE_2_13 = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
+
+
+def torch_name(name):
+    """The torch.distributed function this torch has for collective `name`: the older name of a 2.13 one
+    where torch lacks it, else `name`. Looked up at each call, so a test that wraps it counts the calls."""
+    return BEFORE_2_13[name] if name in BEFORE_2_13 and not hasattr(dist, name) else name
+
+
 def all_gather_single(output, input, group=None, async_op=False):
-    """dist.all_gather_single: every rank's `input`, in rank order, into `output`. torch 2.13 gave
-    the collective this name (there the old one, all_gather_into_tensor, warns); older torch has
-    only the old one."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    """dist.all_gather_single: every rank's `input`, in rank order, into `output`."""
+    gather = getattr(dist, torch_name("all_gather_single"))
     return gather(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    """dist.reduce_scatter_single: `input` summed (op) over the ranks, rank r keeps its r-th chunk
-    in `output`. torch 2.13's name; before it, reduce_scatter_tensor (2.13 keeps it, and warns)."""
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    """dist.reduce_scatter_single: `input` summed (op) over the ranks, rank r keeps its r-th chunk."""
+    scatter = getattr(dist, torch_name("reduce_scatter_single"))
     return scatter(output, input, op=op, group=group, async_op=async_op)
 
 

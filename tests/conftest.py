@@ -18,11 +18,6 @@ import torch.distributed as dist
 from torch.torch_version import TorchVersion
 import torch.multiprocessing as mp
 
-# The torch.distributed function that common.distributed's all_gather_single / reduce_scatter_single call on this
-# torch (2.13 renamed all_gather_into_tensor and reduce_scatter_tensor): a test that counts collectives wraps it.
-DIST_NAME = {new: new if hasattr(dist, new) else old for new, old in (("all_gather_single", "all_gather_into_tensor"),
-                                                                      ("reduce_scatter_single", "reduce_scatter_tensor"))}
-
 # What PyTorch's own implementations need beyond the floor (common.config.TORCH_FLOOR), as the scripts refuse
 # it: (script, implementation, dtype) -> torch version. Tests of those runs are skipped on an older torch.
 PEER_NEEDS = {("pp_train.py", "pytorch", "float32"): "2.10", ("pp_train.py", "pytorch", "bfloat16"): "2.11"}

@@ -25,6 +25,7 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
+from common.distributed import BEFORE_2_13, torch_name  # noqa: E402
 from common.model import GPT  # noqa: E402
 
 record = dict(rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
@@ -73,11 +74,10 @@ torch.nn.modules.module.register_module_forward_pre_hook(hook)
 # Not isend/irecv: P2POp accepts only torch's own functions.
 for name in ("all_reduce", "broadcast", "reduce", "send", "recv", "all_to_all_single"):
     setattr(torch.distributed, name, counted(name, getattr(torch.distributed, name)))
-# Counted by torch 2.13's names, on any torch: older torch has only all_gather_into_tensor and reduce_scatter_tensor
-# (common.distributed calls those there, and torch's own FSDP2 too).
-for name, before_2_13 in (("all_gather_single", "all_gather_into_tensor"), ("reduce_scatter_single", "reduce_scatter_tensor")):
-    present = name if hasattr(torch.distributed, name) else before_2_13
-    setattr(torch.distributed, present, counted(name, getattr(torch.distributed, present)))
+# Counted by torch 2.13's names, on any torch: older torch has only the old names (common.distributed calls
+# those there, and torch's own FSDP2 too).
+for name in BEFORE_2_13:
+    setattr(torch.distributed, torch_name(name), counted(name, getattr(torch.distributed, torch_name(name))))
 _batch_isend_irecv = torch.distributed.batch_isend_irecv
 
 

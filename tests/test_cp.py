@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import DIST_NAME, TINY, refusal, spawn
+from conftest import TINY, refusal, spawn
+from common.distributed import torch_name
 from common.metrics import SavedActivations
 from common.model import GPT, GPTConfig
 from cp_train import AllGatherAttention, CPGroup, CPGPT, RingAttention, causal_window, positions, ulysses_attention
@@ -56,7 +57,7 @@ def _sent_per_layer(groups):
     """Numbers each rank sends in one attention forward and backward, per (cp, mode): every collective is
     wrapped and charged what it sends from this rank (an all-gather its input to cp-1 ranks, a
     reduce-scatter and an all-to-all the (cp-1)/cp of their input going elsewhere, a send its tensor)."""
-    names = {n: DIST_NAME.get(n, n) for n in ("batch_isend_irecv", "all_gather_single", "reduce_scatter_single",
+    names = {n: torch_name(n) for n in ("batch_isend_irecv", "all_gather_single", "reduce_scatter_single",
                                              "all_to_all_single")}  # this torch's function for each
     originals = {n: getattr(dist, name) for n, name in names.items()}
     sent = []

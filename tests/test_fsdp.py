@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from conftest import DIST_NAME, TINY, launch, read_metrics, refusal, spawn, the_one_error
+from conftest import TINY, launch, read_metrics, refusal, spawn, the_one_error
 from common.config import parse_args
 from common.data import get_batch
-from common.distributed import all_gather_single, clip_grad_norm_, reduce_scatter_single
+from common.distributed import all_gather_single, clip_grad_norm_, reduce_scatter_single, torch_name
 from common.metrics import held_bytes
 from common.model import GPT, GPTConfig, init_tensor
 import fsdp_train
@@ -152,7 +152,7 @@ def _ledger_and_freeing(rank, world_size, reshard, prefetch):
         block.register_forward_pre_hook(pre)
         block.register_forward_hook(post)
 
-    names = DIST_NAME["all_gather_single"], DIST_NAME["reduce_scatter_single"]
+    names = torch_name("all_gather_single"), torch_name("reduce_scatter_single")
     calls, originals = [], [getattr(dist, name) for name in names]
 
     def count(name, original):

@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import DIST_NAME, TINY, launch, probe, read_metrics, refusal, spawn
+from conftest import TINY, launch, probe, read_metrics, refusal, spawn
 from common.data import get_batch
+from common.distributed import torch_name
 from common.model import GPT, GPTConfig
 from common.metrics import SavedActivations
 from tp_train import (TP, ColumnParallelLinear, RowParallelLinear, TPGPT, TensorParallel, VocabParallelCrossEntropy,
@@ -170,7 +171,7 @@ def _count_all(rank, world_size):
 def _count_collectives(sp, whole_model):
     """Calls of each collective (and their sizes) in one forward and one backward."""
     tp = TP(dist.group.WORLD, sp)
-    calls, originals = [], {name: getattr(dist, DIST_NAME.get(name, name)) for name in COLLECTIVES}
+    calls, originals = [], {name: getattr(dist, torch_name(name)) for name in COLLECTIVES}
 
     def counting(name):
         def collective(tensor, *args, **kwargs):
@@ -187,7 +188,7 @@ def _count_collectives(sp, whole_model):
         x = torch.randn(B, T // tp.size if sp else T, C, requires_grad=True)
         run = lambda: module(x).square().sum()
     for name in COLLECTIVES:
-        setattr(dist, DIST_NAME.get(name, name), counting(name))
+        setattr(dist, torch_name(name), counting(name))
     try:
         out = run()
         forward = list(calls)
@@ -196,7 +197,7 @@ def _count_collectives(sp, whole_model):
         backward = list(calls)
     finally:
         for name, fn in originals.items():
-            setattr(dist, DIST_NAME.get(name, name), fn)
+            setattr(dist, torch_name(name), fn)
 
     def count(phase):
         return {name: sum(1 for n, _ in phase if n == name) for name in COLLECTIVES}
