@@ -17,13 +17,12 @@ Run:
   python ddp_train.py                                   # single process: the reference
   torchrun --standalone --nproc_per_node=2 ddp_train.py # 2 ranks (2 GPUs, or 2 CPU processes)
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv-backend=c10d \\
-           --rdzv-endpoint=HOST:29500 ddp_train.py       # 2 nodes x 8 GPUs (node_rank=1 on the other)
+           --rdzv-endpoint=HOST:29500 ddp_train.py       # 2 nodes x 8 GPUs (node_rank=1 on node 2)
   python ddp_train.py --implementation pytorch          # torch.nn.parallel.DistributedDataParallel
 """
 import os
 import time
 import weakref
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -34,6 +33,7 @@ from common.data import get_batch
 from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
 from common.metrics import Metrics, Profiler, model_state_bytes
 from common.model import GPT, configure_optimizer, num_params
+import peers.ddp
 
 
 # ---- the strategy: gradient buckets with overlapped all-reduce ---------------------------
@@ -44,7 +44,8 @@ class Bucket:
 
     def __init__(self, params):
         self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         offset = 0
         for p in params:
             view = self.buffer[offset: offset + p.numel()].view_as(p)
@@ -59,17 +60,19 @@ class Bucket:
 class GradientBuckets:
     """Averages gradients over the ranks of `group` during backward.
 
-    Call `finish_backward()` after every backward. Set `require_sync = False` BEFORE the forward of a
-    micro-step that should only accumulate locally (gradient accumulation; DDP's no_sync): those
-    micro-steps send nothing, and the last micro-step's all-reduce carries the sum of all of them."""
+    Call `finish_backward()` after every backward. Set `require_sync = False` BEFORE the forward of
+    a micro-step that should only accumulate locally (gradient accumulation; DDP's no_sync): those
+    micro-steps send nothing, and the last micro-step's all-reduce carries the sum of them all."""
 
     def __init__(self, model, bucket_cap_mb, group=None):
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.cap, self.group, self.require_sync = int(bucket_cap_mb * 2**20), group, True
+        self.cap = int(bucket_cap_mb * 2**20)  # bytes
+        self.group = group
+        self.require_sync = True
         self.ready_order = []  # the order gradients became ready in the first backward
         self._make_buckets(self.params[::-1])  # first guess: backward runs roughly in reverse
-        # The hook holds the buckets weakly: a parameter keeps its hooks in C++, out of sight of Python's
-        # garbage collector, so param -> hook -> buckets -> param would be a cycle never freed.
+        # The hook holds the buckets weakly: a parameter keeps its hooks in C++, out of sight of
+        # Python's garbage collector, so param -> hook -> buckets -> param would never be freed.
         buckets = weakref.ref(self)
         for p in self.params:
             p.register_post_accumulate_grad_hook(lambda p: buckets()._grad_ready(p))
@@ -78,13 +81,14 @@ class GradientBuckets:
         groups, current, size = [], [], 0
         for p in order:
             nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > self.cap:  # a tensor bigger than the cap gets a bucket of its own
+            if current and size + nbytes > self.cap:  # a tensor over the cap: a bucket of its own
                 groups.append(current)
                 current, size = [], 0
             current.append(p)
             size += nbytes
-        self.buckets = [Bucket(g) for g in groups + [current]]
-        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        groups.append(current)
+        self.buckets = [Bucket(g) for g in groups]
+        self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
         self.next = 0  # the next bucket to all-reduce: buckets go on the wire in index order
 
     def _grad_ready(self, p):
@@ -93,16 +97,19 @@ class GradientBuckets:
         if self.ready_order is not None:
             self.ready_order.append(p)
         self.bucket_of[p].pending -= 1
-        # Every rank must issue the same all-reduces in the same order, so a full bucket waits for the
-        # ones before it (torch DDP's rule too); with buckets in ready order it rarely has to.
-        while self.require_sync and self.next < len(self.buckets) and self.buckets[self.next].pending == 0:
+        # Every rank must issue the same all-reduces in the same order, so a full bucket waits for
+        # the ones before it (torch DDP's rule too); with buckets in ready order it rarely has to.
+        while self.require_sync and self.next < len(self.buckets):
+            if self.buckets[self.next].pending > 0:
+                break
             self._all_reduce(self.buckets[self.next])
 
     def _all_reduce(self, bucket):
         # Sends the whole bucket (numel x 4 bytes in fp32) to every other rank and receives theirs,
         # summing and dividing by N: afterwards every rank holds the mean gradient. Async: backward
         # keeps computing earlier layers while it is on the wire.
-        bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.AVG, group=self.group,
+                                      async_op=True)
         self.next += 1
 
     def finish_backward(self):
@@ -122,12 +129,12 @@ class GradientBuckets:
 
     def _rebuild(self):
         """After the first backward: buckets in the order the gradients became ready, so each bucket
-        fills and leaves as early as it can. Rank 0's order is broadcast (8 bytes a parameter): every
-        rank must build the same buckets, whatever order its own autograd happened to use."""
+        fills and leaves as early as it can. Rank 0's order is broadcast (8 bytes a parameter):
+        every rank must build the same buckets, whatever order its own autograd happened to use."""
         index = {p: i for i, p in enumerate(self.params)}
-        seen = [index[p] for p in dict.fromkeys(self.ready_order)]
-        order = torch.tensor(seen + [i for i in range(len(self.params)) if i not in set(seen)],
-                             device=self.params[0].device)
+        seen = [index[p] for p in dict.fromkeys(self.ready_order)]  # first readiness, no repeats
+        unseen = [i for i in range(len(self.params)) if i not in set(seen)]  # unused: at the end
+        order = torch.tensor(seen + unseen, device=self.params[0].device)
         dist.broadcast(order, group=self.group, group_src=0)
         self.ready_order = None
         self._make_buckets([self.params[i] for i in order.tolist()])
@@ -141,20 +148,26 @@ class DDP:
     def __init__(self, config, args, device, state=None):
         # Every rank builds the same weights: initialisation depends only on (seed, name), which
         # tests/test_ddp.py checks across ranks, so no broadcast of rank 0's parameters is needed.
-        self.model, self.args, self.device = GPT(config, seed=args.seed, device=device), args, device
+        self.model = GPT(config, seed=args.seed, device=device)
+        self.args, self.device = args, device
         if state is not None:  # a full checkpoint from any script: every rank loads all of it
             self.model.load_state_dict(state)
         self.buckets = GradientBuckets(self.model, args.bucket_cap_mb)
 
     def configure_optimizer(self, args, state=None):
-        optimizer = configure_optimizer(self.model.named_parameters(), args.weight_decay, args.learning_rate,
-                                        (args.beta1, args.beta2))
-        for name, p in self.model.named_parameters() if state else ():
-            set_adamw_state(optimizer, p, state[name], lambda t: t.to(self.device, copy=True))
+        betas = (args.beta1, args.beta2)
+        named = self.model.named_parameters()
+        optimizer = configure_optimizer(named, args.weight_decay, args.learning_rate, betas)
+        if state is not None:  # a checkpoint's AdamW state, keyed by parameter name
+            for name, p in self.model.named_parameters():
+                set_adamw_state(optimizer, p, state[name], self.to_device)
         return optimizer
 
+    def to_device(self, t):
+        return t.to(self.device, copy=True)
+
     def forward_backward(self, x, y, sync):
-        """One micro-step; returns its loss. sync=False: accumulate only (set before the forward)."""
+        """One micro-step; returns its loss. sync=False: accumulate only (set before forward)."""
         self.buckets.require_sync = sync
         with autocast(self.args, self.device):
             _, loss = self.model(x, y)
@@ -175,15 +188,24 @@ class DDP:
         return clip_grad_norm_(None, [p.grad for p in self.model.parameters()], max_norm)
 
     def full_state(self, optimizer):
-        """Every rank holds the full model, so nothing is gathered: rank 0's state is the checkpoint."""
-        return self.model.state_dict(), optimizer_state_by_name(self.model.named_parameters(), optimizer)
+        """Every rank holds the full model, so nothing is gathered: rank 0's state is the
+        checkpoint."""
+        named = self.model.named_parameters()
+        return self.model.state_dict(), optimizer_state_by_name(named, optimizer)
 
     def describe(self):
-        return f"{num_params(self.model) / 1e6:.2f}M params, {len(self.buckets.buckets)} gradient buckets"
+        n_buckets = len(self.buckets.buckets)
+        return f"{num_params(self.model) / 1e6:.2f}M params, {n_buckets} gradient buckets"
+
+
+class TorchDDP(peers.ddp.TorchDDP, DDP):
+    """--implementation pytorch: torch's DistributedDataParallel in place of GradientBuckets
+    (peers/ddp.py); the other methods are DDP's."""
 
 
 def add_ddp_flags(group):
-    group.add_argument("--bucket_cap_mb", type=float, default=25.0, help="gradient bucket size (MiB)")
+    group.add_argument("--bucket_cap_mb", type=float, default=25.0,
+                       help="gradient bucket size (MiB)")
 
 
 def check_ddp_args(args, world_size):
@@ -204,27 +226,33 @@ def main(argv=None):
     ckpt = resume(args)  # None, or a full checkpoint written by any script at any world size
     config = gpt_config(args)
     B, T, A = args.batch_size, args.block_size, args.grad_accum_steps
-    dp_rank, rows, micro = rank * D // world_size, B // D, B // D // A  # rows per DP rank; per micro-step
+    dp_rank = rank * D // world_size
+    rows = B // D  # rows per data-parallel rank
+    micro = rows // A  # rows per micro-step
     mine = slice(dp_rank * rows, (dp_rank + 1) * rows)  # this rank's rows of every global batch
 
-    model = (DDP if args.implementation == "custom" else TorchDDP)(config, args, device, ckpt and ckpt["model"])
+    Strategy = DDP if args.implementation == "custom" else TorchDDP
+    model = Strategy(config, args, device, ckpt and ckpt["model"])
     optimizer = model.configure_optimizer(args, ckpt and ckpt["optimizer"])
     start = ckpt["step"] if ckpt else 0
     metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
     if rank == 0:
-        print(f"ddp ({args.implementation}): {world_size} rank(s) on {device}, {model.describe()}; global batch "
-              f"{B} x {T} tokens, {A} micro-step(s) of {micro} rows per data-parallel rank", flush=True)
+        print(f"ddp ({args.implementation}): {world_size} rank(s) on {device}, "
+              f"{model.describe()}; global batch {B} x {T} tokens, "
+              f"{A} micro-step(s) of {micro} rows per data-parallel rank", flush=True)
 
     @torch.no_grad()
     def evaluate():
-        """Mean loss over eval_iters fixed batches per split: each data-parallel rank evaluates its rows
-        of each batch, and the means are averaged over those ranks (equal rows: the global mean)."""
+        """Mean loss over eval_iters fixed batches per split: each data-parallel rank evaluates
+        its rows of each batch, and the means are averaged over those ranks (equal rows: the
+        global mean)."""
         out = {}
         for split in ("train", "val"):
             total = torch.zeros((), device=device)
             for k in range(args.eval_iters):
                 x, y = get_batch(split, k, B, T, args.seed + 1, args.dataset)
-                total += model.eval_loss(x[mine].to(device), y[mine].to(device))
+                x, y = x[mine].to(device), y[mine].to(device)
+                total += model.eval_loss(x, y)
             dist.all_reduce(total, op=dist.ReduceOp.AVG, group=model.dp_group)
             out[split] = total.item() / args.eval_iters
         return out
@@ -242,8 +270,10 @@ def main(argv=None):
         x, y = x[mine].to(device), y[mine].to(device)
         loss_sum = torch.zeros((), device=device)
         for j in range(A):  # gradients are synchronised on the last micro-step only
-            loss_sum += model.forward_backward(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro], j == A - 1)
-        # Logged loss: the mean over all B*T tokens of the global batch (equal chunks: mean of means).
+            part = slice(j * micro, (j + 1) * micro)
+            loss_sum += model.forward_backward(x[part], y[part], sync=j == A - 1)
+        # Logged loss: the mean over all B*T tokens of the global batch (equal chunks: mean of
+        # means).
         loss_sum /= A
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=model.dp_group)
         norm = model.clip_grad_norm_(args.grad_clip)
@@ -251,7 +281,8 @@ def main(argv=None):
         optimizer.zero_grad(set_to_none=False)  # zero in place: gradients that are views stay views
         if device.type == "cuda":
             torch.cuda.synchronize()
-        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, time.perf_counter() - t0, device, args.log_interval)
+        dt = time.perf_counter() - t0
+        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, dt, device, args.log_interval)
         profiler.step()
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
             checkpoint(step + 1, model, optimizer, config, args)
@@ -262,31 +293,6 @@ def main(argv=None):
     checkpoint(args.max_iters, model, optimizer, config, args)
     metrics.summary(model_state_bytes(optimizer), device)
     metrics.close()
-
-
-# ---- PyTorch's own DDP, behind the same methods --------------------------------------------
-
-class TorchDDP(DDP):
-    """torch.nn.parallel.DistributedDataParallel: its C++ reducer does what GradientBuckets does
-    (buckets of bucket_cap_mb rebuilt in ready order, all-reduce from autograd hooks, no_sync)."""
-
-    def __init__(self, config, args, device, state=None):
-        self.model, self.args, self.device = GPT(config, seed=args.seed, device=device), args, device
-        if state is not None:
-            self.model.load_state_dict(state)
-        self.ddp = torch.nn.parallel.DistributedDataParallel(
-            self.model, device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True)
-
-    def forward_backward(self, x, y, sync):
-        with nullcontext() if sync else self.ddp.no_sync():
-            with autocast(self.args, self.device):
-                _, loss = self.ddp(x, y)
-            (loss / self.args.grad_accum_steps).backward()
-        return loss.detach().float()
-
-    def describe(self):
-        return f"{num_params(self.model) / 1e6:.2f}M params, torch DDP"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+"""PyTorch's own DDP, for ddp_train.py --implementation pytorch.
+
+torch.nn.parallel.DistributedDataParallel's C++ reducer does what ddp_train.py's GradientBuckets
+does: buckets of bucket_cap_mb rebuilt in ready order, all-reduce from autograd hooks, no_sync for
+gradient accumulation. These are the methods that differ; ddp_train.py's TorchDDP takes the rest
+(optimizer, eval, clipping, checkpoint state) from its DDP class."""
+from contextlib import nullcontext
+
+import torch
+
+from common.distributed import autocast
+from common.model import GPT, num_params
+
+
+class TorchDDP:
+    def __init__(self, config, args, device, state=None):
+        self.model = GPT(config, seed=args.seed, device=device)
+        self.args, self.device = args, device
+        if state is not None:
+            self.model.load_state_dict(state)
+        device_ids = [device.index] if device.type == "cuda" else None
+        self.ddp = torch.nn.parallel.DistributedDataParallel(
+            self.model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb,
+            gradient_as_bucket_view=True)
+
+    def forward_backward(self, x, y, sync):
+        with nullcontext() if sync else self.ddp.no_sync():
+            with autocast(self.args, self.device):
+                _, loss = self.ddp(x, y)
+            (loss / self.args.grad_accum_steps).backward()
+        return loss.detach().float()
+
+    def describe(self):
+        return f"{num_params(self.model) / 1e6:.2f}M params, torch DDP"
