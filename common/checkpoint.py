@@ -2,7 +2,7 @@
 
 The full format, `<out_dir>/ckpt.pt` (like nanoGPT's), is one dict gathered on rank 0:
   model:      the full GPT state_dict (both tied keys, transformer.wte.weight and lm_head.weight)
-  optimizer:  {parameter name: {"step", "exp_avg", "exp_avg_sq"}}: AdamW state, full unsharded tensors
+  optimizer:  {parameter name: {"step", "exp_avg", "exp_avg_sq"}}: unsharded AdamW state
   step:       optimizer steps taken = the next step to run; the lr schedule position is get_lr(step)
   rng:        [{"cpu", "cuda"} RNG states of rank r, for r in range(world_size)] (dropout; the data
               is a function of the step)
@@ -48,12 +48,16 @@ def save_checkpoint(model_state, optimizer_state, step, config, args):
     (the other ranks may pass None)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     rng = [None] * world_size if rank == 0 else None
-    mine = dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+    cuda_rng = None
+    if torch.cuda.is_available():
+        cuda_rng = torch.cuda.get_rng_state()
+    mine = dict(cpu=torch.get_rng_state(), cuda=cuda_rng)
     dist.gather_object(mine, rng, dst=0)
     if rank == 0:
-        save_atomic(dict(format=FORMAT, script=os.path.basename(sys.argv[0]), model=model_state,
-                         optimizer=optimizer_state, step=step, rng=rng, config=config.__dict__.copy(), args=vars(args)),
-                    os.path.join(args.out_dir, "ckpt.pt"))
+        ckpt = dict(format=FORMAT, script=os.path.basename(sys.argv[0]), model=model_state,
+                    optimizer=optimizer_state, step=step, rng=rng,
+                    config=config.__dict__.copy(), args=vars(args))
+        save_atomic(ckpt, os.path.join(args.out_dir, "ckpt.pt"))
 
 
 def checkpoint(step, model, optimizer, config, args):
@@ -64,7 +68,8 @@ def checkpoint(step, model, optimizer, config, args):
 
 
 def load(path):
-    """(what torch saved at path, None), or (None, the exception torch.load raised: missing, truncated, not torch's)."""
+    """(what torch saved at path, None), or (None, the exception torch.load raised: the file is
+    missing, truncated, or not torch's)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True), None
     except Exception as e:
@@ -72,8 +77,9 @@ def load(path):
 
 
 def config_mismatch(saved, args):
-    """(field, saved value, this run's value) of the first GPTConfig field that a checkpoint's `saved` dict
-    holds differently from this run's flags, or None. dropout may change on resume, as in nanoGPT."""
+    """(field, saved value, this run's value) of the first GPTConfig field that a checkpoint's
+    `saved` dict holds differently from this run's flags, or None. dropout may change on resume,
+    as in nanoGPT."""
     for key, value in gpt_config(args).__dict__.items():
         if key != "dropout" and saved.get(key) != value:
             return key, saved.get(key), value
@@ -86,9 +92,11 @@ def read(path, flag="--resume"):
         return None, f"{flag}: no checkpoint at {path}"
     ckpt, e = load(path)
     if e is not None:
-        return None, f"{flag}: {path} is truncated or corrupt ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        first_line = str(e).splitlines()[0][:200]
+        return None, f"{flag}: {path} is truncated or corrupt ({type(e).__name__}: {first_line})"
     if not isinstance(ckpt, dict) or not {"model", "optimizer", "step", "config"} <= set(ckpt):
-        return None, f"{flag}: {path} is not a nanodist full checkpoint (needs model, optimizer, step, config)"
+        needs = "needs model, optimizer, step, config"
+        return None, f"{flag}: {path} is not a nanodist full checkpoint ({needs})"
     return ckpt, None
 
 
@@ -118,7 +126,8 @@ def resume(args):
     else:  # another world size: a fresh dropout stream per rank and step
         torch.manual_seed(args.seed + dist.get_rank() + 1_000_003 * ckpt["step"])
     if dist.get_rank() == 0:
-        print(f"resuming from {path} at step {ckpt['step']} (written by {ckpt.get('script', '?')})", flush=True)
+        script = ckpt.get("script", "?")
+        print(f"resuming from {path} at step {ckpt['step']} (written by {script})", flush=True)
     return ckpt
 
 
@@ -132,7 +141,8 @@ def _check(path, args):
         key, saved, value = mismatch
         return f"--{key}: the checkpoint {path} has {key}={saved}, this run has {value}"
     if ckpt["step"] > args.max_iters:
-        return f"--max_iters: the checkpoint {path} is at step {ckpt['step']}, past --max_iters {args.max_iters}"
+        return (f"--max_iters: the checkpoint {path} is at step {ckpt['step']}, "
+                f"past --max_iters {args.max_iters}")
     return None
 
 
@@ -144,5 +154,14 @@ def set_adamw_state(optimizer, param, state, local):
 
 def optimizer_state_by_name(named_params, optimizer):
     """AdamW state keyed by parameter name (the full format) instead of by position."""
-    return {name: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
-            for name, p in named_params if p in optimizer.state}
+    by_name = {}
+    for name, p in named_params:
+        if p not in optimizer.state:
+            continue
+        state = {}
+        for key, value in optimizer.state[p].items():
+            if torch.is_tensor(value):
+                value = value.detach().clone()
+            state[key] = value
+        by_name[name] = state
+    return by_name

@@ -35,10 +35,10 @@ def die(message):
     """One clear error line from rank 0, a non-zero exit on every rank. Call it on all ranks
     (checks are deterministic), so no rank is left waiting in a collective; the process group, if
     there is one yet, is destroyed before the exit (see common.distributed.teardown).
-    The other ranks exit only after DIE_GRACE_S: torchrun stops the whole job at the first rank that
-    fails, so a rank that exited first would get rank 0 killed before it printed (under load it did).
-    Rank 0 exits at once and torchrun then ends the others: the grace only bounds a rank 0 that never
-    gets here."""
+    The other ranks exit only after DIE_GRACE_S: torchrun stops the whole job at the first rank
+    that fails, so a rank that exited first would get rank 0 killed before it printed (under load
+    it did). Rank 0 exits at once and torchrun then ends the others: the grace only bounds a rank 0
+    that never gets here."""
     if is_rank0():
         print(f"error: {message}", file=sys.stderr, flush=True)
     if dist.is_available() and dist.is_initialized():
@@ -82,7 +82,8 @@ def parse_args(strategy, add_flags=None, argv=None):
     b.add_argument("--batch_size", type=int, default=16, help="global sequences per optimizer step")
     b.add_argument("--grad_accum_steps", type=int, default=1, help="micro-steps per optimizer step")
     o = p.add_argument_group("optimizer")
-    o.add_argument("--max_iters", type=int, default=200, help="optimizer steps, numbered 0..max_iters-1")
+    o.add_argument("--max_iters", type=int, default=200,
+                   help="optimizer steps, numbered 0..max_iters-1")
     o.add_argument("--learning_rate", type=float, default=1e-3)
     o.add_argument("--min_lr", type=float, default=1e-4)
     o.add_argument("--warmup_iters", type=int, default=20)
@@ -91,14 +92,16 @@ def parse_args(strategy, add_flags=None, argv=None):
     o.add_argument("--weight_decay", type=float, default=0.1)
     o.add_argument("--beta1", type=float, default=0.9)
     o.add_argument("--beta2", type=float, default=0.95)
-    o.add_argument("--grad_clip", type=float, default=1.0, help="clip the global grad norm; 0 disables")
+    o.add_argument("--grad_clip", type=float, default=1.0,
+                   help="clip the global grad norm; 0 disables")
     r = p.add_argument_group("run")
     r.add_argument("--seed", type=int, default=1337)
     r.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda + nccl when a GPU is present, else cpu + gloo")
     r.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="compute dtype (bfloat16: autocast; parameters and optimizer stay fp32)")
-    r.add_argument("--eval_interval", type=int, default=50, help="evaluate every N steps and at the end; 0: never")
+    r.add_argument("--eval_interval", type=int, default=50,
+                   help="evaluate every N steps and at the end; 0: never")
     r.add_argument("--eval_iters", type=int, default=10, help="batches per evaluation")
     r.add_argument("--log_interval", type=int, default=10, help="print every N steps")
     r.add_argument("--out_dir", default=os.path.join("out", strategy))
@@ -108,13 +111,14 @@ def parse_args(strategy, add_flags=None, argv=None):
                    help="custom: the hand-written strategy; pytorch: PyTorch's own, same loop")
     r.add_argument("--checkpoint_interval", type=int, default=0,
                    help="write out_dir/ckpt.pt every N steps; it is always written at the end")
-    add_bool(r, "--resume", False, "continue from out_dir/ckpt.pt (written by any script); a torchrun restart "
-             "after a failure resumes by itself")
+    add_bool(r, "--resume", False, "continue from out_dir/ckpt.pt (written by any script); "
+             "a torchrun restart after a failure resumes by itself")
     r.add_argument("--timeout_s", type=float, default=300,
-                   help="collective timeout: a rank waiting longer on a dead peer fails instead of hanging")
+                   help="collective timeout: a rank waiting longer on a dead peer fails "
+                        "instead of hanging")
     add_bool(r, "--tensorboard", True, "also log the metrics to TensorBoard under out_dir")
-    add_bool(r, "--profile", False, "write a torch.profiler trace of steps 2-4 per rank to out_dir/profile "
-             "(open in ui.perfetto.dev or TensorBoard)")
+    add_bool(r, "--profile", False, "write a torch.profiler trace of steps 2-4 per rank to "
+             "out_dir/profile (open in ui.perfetto.dev or TensorBoard)")
     if add_flags is not None:
         add_flags(p.add_argument_group(strategy))
     check_torch()
@@ -131,7 +135,7 @@ def parse_args(strategy, add_flags=None, argv=None):
 
 def check_torch(needed=TORCH_FLOOR, what="nanodist",
                 why="before it gloo's ReduceOp.AVG is missing or, in reduce-scatter, a sum"):
-    """One error line if this torch is older than `needed`: the floor, or what a PyTorch peer needs."""
+    """One error line if this torch is older than `needed`: the floor, or a PyTorch peer's need."""
     if TorchVersion(torch.__version__) < needed:
         die(f"{what} needs torch >= {needed}, this is {torch.__version__} ({why}); "
             f"pip install 'torch>={needed}'")
@@ -145,7 +149,9 @@ def check_core_args(args):
     for name in positive:
         if not getattr(args, name) > 0:
             die(f"--{name}: must be > 0, got {getattr(args, name)}")
-    for name in ("min_lr", "warmup_iters", "weight_decay", "grad_clip", "eval_interval", "checkpoint_interval"):
+    non_negative = ("min_lr", "warmup_iters", "weight_decay", "grad_clip", "eval_interval",
+                    "checkpoint_interval")
+    for name in non_negative:
         if getattr(args, name) < 0:
             die(f"--{name}: must be >= 0, got {getattr(args, name)}")
     if not 0 <= args.dropout < 1:
@@ -156,7 +162,8 @@ def check_core_args(args):
     if args.n_embd % args.n_head:
         die(f"--n_head: n_embd ({args.n_embd}) must be divisible by n_head ({args.n_head})")
     if args.vocab_size < GPT2_VOCAB:
-        die(f"--vocab_size: must be >= {GPT2_VOCAB} (the GPT-2 tokenizer's vocabulary), got {args.vocab_size}")
+        die(f"--vocab_size: must be >= {GPT2_VOCAB} (the GPT-2 tokenizer's vocabulary), "
+            f"got {args.vocab_size}")
 
 
 def check_batch_split(args, dp_size):

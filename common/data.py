@@ -16,7 +16,8 @@ import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_ROOT = os.path.join(REPO_ROOT, "data")
-SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+                   "tinyshakespeare/input.txt")
 GPT2_VOCAB = 50257  # ids produced by tiktoken's gpt2 encoding are < 50257
 
 
@@ -30,8 +31,8 @@ def _sha256(path):
 
 
 def prepare(dataset="shakespeare", data_file=None):
-    """Make sure data/<dataset>/{train,val}.bin exist; return None, or one line saying what is wrong.
-    The text comes from `data_file` if given, else data/<dataset>/input.txt, which for
+    """Make sure data/<dataset>/{train,val}.bin exist; return None, or one line saying what is
+    wrong. The text comes from `data_file` if given, else data/<dataset>/input.txt, which for
     "shakespeare" is downloaded from SHAKESPEARE_URL when missing."""
     out = data_dir(dataset)
     meta_path = os.path.join(out, "meta.json")
@@ -61,20 +62,24 @@ def prepare(dataset="shakespeare", data_file=None):
         import tiktoken
         enc = tiktoken.get_encoding("gpt2")
     except Exception as e:  # tiktoken fetches the BPE files on first use
-        return (f"--dataset {dataset}: cannot load tiktoken's gpt2 encoding ({type(e).__name__}: {e}); "
+        reason = f"{type(e).__name__}: {e}"
+        return (f"--dataset {dataset}: cannot load tiktoken's gpt2 encoding ({reason}); "
                 f"offline, set TIKTOKEN_CACHE_DIR to a folder holding the GPT-2 BPE files")
     with open(text_path, "r", encoding="utf-8") as f:
         text = f.read()
     n = len(text)
     os.makedirs(out, exist_ok=True)
-    for split, chunk in (("train", text[: int(n * 0.9)]), ("val", text[int(n * 0.9):])):
+    cut = int(n * 0.9)
+    for split, chunk in (("train", text[:cut]), ("val", text[cut:])):
         ids = np.array(enc.encode_ordinary(chunk), dtype=np.uint16)
-        tmp = os.path.join(out, f"{split}.bin.tmp.{os.getpid()}")  # per process: nodes may share this folder
+        # a temporary file per process: nodes may share this folder
+        tmp = os.path.join(out, f"{split}.bin.tmp.{os.getpid()}")
         ids.tofile(tmp)
         os.replace(tmp, os.path.join(out, f"{split}.bin"))
-    with open(f"{meta_path}.tmp.{os.getpid()}", "w") as f:  # meta.json last: it says the .bin files are complete
+    meta_tmp = f"{meta_path}.tmp.{os.getpid()}"
+    with open(meta_tmp, "w") as f:  # meta.json last: it says the .bin files are complete
         json.dump({"source": os.path.abspath(text_path), "sha256": _sha256(text_path)}, f)
-    os.replace(f"{meta_path}.tmp.{os.getpid()}", meta_path)
+    os.replace(meta_tmp, meta_path)
     return None
 
 
@@ -84,7 +89,8 @@ _tokens = {}
 def tokens(split, dataset="shakespeare"):
     key = (dataset, split)
     if key not in _tokens:
-        _tokens[key] = np.memmap(os.path.join(data_dir(dataset), f"{split}.bin"), dtype=np.uint16, mode="r")
+        path = os.path.join(data_dir(dataset), f"{split}.bin")
+        _tokens[key] = np.memmap(path, dtype=np.uint16, mode="r")
     return _tokens[key]
 
 
@@ -93,16 +99,19 @@ def check_block_size(block_size, dataset="shakespeare"):
     for split in ("train", "val"):
         n = len(tokens(split, dataset))
         if n < block_size + 2:
-            return f"--block_size: {block_size} is too large for the {split} split of {dataset} ({n} tokens)"
+            return (f"--block_size: {block_size} is too large for the {split} split of {dataset} "
+                    f"({n} tokens)")
     return None
 
 
 def get_batch(split, step, batch_size, block_size, seed, dataset="shakespeare"):
     """The global batch of optimizer step `step`: `batch_size` random windows of the split,
     chosen by a generator seeded with (seed, split, step), so it is the same on every rank and in
-    every strategy. Returns int64 CPU tensors x, y of shape (batch_size, block_size), y = x shifted by 1."""
+    every strategy. Returns int64 CPU tensors x, y of shape (batch_size, block_size); y is x
+    shifted by 1."""
     data = tokens(split, dataset)
-    rng = np.random.default_rng([seed, 0 if split == "train" else 1, step])
+    split_id = 0 if split == "train" else 1
+    rng = np.random.default_rng([seed, split_id, step])
     ix = rng.integers(0, len(data) - block_size - 1, size=batch_size)
     x = np.stack([data[i: i + block_size] for i in ix]).astype(np.int64)
     y = np.stack([data[i + 1: i + 1 + block_size] for i in ix]).astype(np.int64)

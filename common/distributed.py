@@ -14,9 +14,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-# These two modules bind `group=dist.group.WORLD` as a default argument when they are first imported.
-# Imported after init_process_group (torch imports them lazily: the first normal_ on the meta device
-# imports torch._dynamo, which imports them), they would hold the default group forever, so
+# These two modules bind `group=dist.group.WORLD` as a default argument when first imported.
+# Imported after init_process_group (torch imports them lazily: the first normal_ on the meta
+# device imports torch._dynamo, which imports them), they would hold the default group forever, so
 # destroy_process_group() could not free it and its gloo threads would live on into interpreter
 # shutdown (see teardown). Imported here, before any group exists, their default is None.
 import torch.distributed.nn.functional  # noqa: F401
@@ -26,13 +26,17 @@ from common import data
 from common.config import die
 
 
-# torch 2.13's names for two collectives, and the names older torch has (2.13 keeps those, and warns).
-BEFORE_2_13 = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
+# torch 2.13's names for two collectives, and the names older torch has (2.13 keeps those, warns).
+BEFORE_2_13 = {
+    "all_gather_single": "all_gather_into_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+}
 
 
 def torch_name(name):
-    """The torch.distributed function this torch has for collective `name`: the older name of a 2.13 one
-    where torch lacks it, else `name`. Looked up at each call, so a test that wraps it counts the calls."""
+    """The torch.distributed function this torch has for collective `name`: the older name of a
+    2.13 one where torch lacks it, else `name`. Looked up at each call, so a test that wraps it
+    counts the calls."""
     return BEFORE_2_13[name] if name in BEFORE_2_13 and not hasattr(dist, name) else name
 
 
@@ -43,7 +47,7 @@ def all_gather_single(output, input, group=None, async_op=False):
 
 
 def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    """dist.reduce_scatter_single: `input` summed (op) over the ranks, rank r keeps its r-th chunk."""
+    """dist.reduce_scatter_single: `input` summed (op) over the ranks, rank r keeps chunk r."""
     scatter = getattr(dist, torch_name("reduce_scatter_single"))
     return scatter(output, input, op=op, group=group, async_op=async_op)
 
@@ -55,7 +59,8 @@ def uses_cuda(args):
 
 def setup(args):
     """Returns (rank, world_size, device) after init_process_group. On CPU each rank gets
-    OMP_NUM_THREADS, or cores / local ranks, intra-op threads, so N ranks on one machine share its cores."""
+    OMP_NUM_THREADS (else cores / local ranks) intra-op threads, so the ranks of a machine share
+    its cores."""
     use_cuda = uses_cuda(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         die("--device: cuda was asked for but torch.cuda.is_available() is False")
@@ -65,47 +70,58 @@ def setup(args):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if use_cuda and local_world > torch.cuda.device_count():  # one GPU per local rank, or none
+        gpus = torch.cuda.device_count()
         die(f"--device: {args.device} needs one GPU per local rank: {local_world} local ranks, "
-            f"{torch.cuda.device_count()} GPU(s) on this node; run at most {torch.cuda.device_count()} "
+            f"{gpus} GPU(s) on this node; run at most {gpus} "
             f"per node (--nproc_per_node), or pass --device cpu")
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        threads = os.environ.get("OMP_NUM_THREADS")  # else share the cores among this node's ranks
-        torch.set_num_threads(int(threads) if threads else max(1, len(os.sched_getaffinity(0)) // local_world))
+        threads = os.environ.get("OMP_NUM_THREADS")
+        if threads:
+            n_threads = int(threads)
+        else:  # share the cores among this node's ranks
+            n_threads = max(1, len(os.sched_getaffinity(0)) // local_world)
+        torch.set_num_threads(n_threads)
         keep_freed_memory()
     # Seeds only what is random at run time (dropout): weights come from init_tensor, batches from
-    # get_batch. Each rank gets its own stream, so ranks drop different units of their different rows.
+    # get_batch. Each rank gets its own stream: ranks drop different units of their different rows.
     torch.manual_seed(args.seed + rank)
     backend = "nccl" if use_cuda else "gloo"
     timeout = timedelta(seconds=args.timeout_s)  # a collective waiting longer than this raises
     if torchrun:
-        store, attempt = None, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        store = None
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         if attempt > 0:
-            # torchrun's agent serves one store to every attempt, and the dead attempt's keys are still
-            # in it: a restarted rank could read its predecessor's gloo address and wait forever
-            # (seen here in about 1 restart in 3). A prefix per attempt keeps the attempts apart.
+            # torchrun's agent serves one store to every attempt, and the dead attempt's keys are
+            # still in it: a restarted rank could read its predecessor's gloo address and wait
+            # forever (seen here in about 1 restart in 3). A prefix per attempt keeps them apart.
             hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-            store = dist.PrefixStore(f"nanodist/attempt_{attempt}", dist.TCPStore(
-                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, hosts, timeout=timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=device if use_cuda else None)
+            addr = os.environ["MASTER_ADDR"]
+            port = int(os.environ["MASTER_PORT"])
+            tcp_store = dist.TCPStore(addr, port, world_size, hosts, timeout=timeout)
+            store = dist.PrefixStore(f"nanodist/attempt_{attempt}", tcp_store)
+        device_id = device if use_cuda else None
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=device_id)
     else:  # single process: a one-rank group in memory, no port needed
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     return rank, world_size, device
 
 
 def keep_freed_memory():
     """CPU runs on glibc (Linux): freed memory stays in the process for the next step.
 
-    By default glibc serves each block of 128 KiB or more with its own mmap and unmaps it when freed, so every
-    step faults its big blocks (the logits: batch x block x vocab x 4 bytes) in again, a zeroed 4 KiB page at a
-    time, and how many faults depends on what the process allocated before (glibc raises the threshold, up to
-    32 MiB, after freeing a larger block): two implementations of the same arithmetic ran 10% apart. Every
-    block from the heap, never trimmed: after a few steps a fault is the exception, at the cost of keeping the
-    heap's high-water mark (measurements: README, design notes). No glibc (macOS, musl): nothing changes."""
+    By default glibc serves each block of 128 KiB or more with its own mmap and unmaps it when
+    freed, so every step faults its big blocks (the logits: batch x block x vocab x 4 bytes) in
+    again, a zeroed 4 KiB page at a time, and how many faults depends on what the process allocated
+    before (glibc raises the threshold, up to 32 MiB, after freeing a larger block): two
+    implementations of the same arithmetic ran 10% apart. Every block from the heap, never trimmed:
+    after a few steps a fault is the exception, at the cost of keeping the heap's high-water mark
+    (measurements: README, design notes). No glibc (macOS, musl): nothing changes."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
@@ -116,18 +132,19 @@ def keep_freed_memory():
 
 
 def teardown():
-    """Ends every run: call it after main() has returned, so that main's models, buckets and hooks are gone.
+    """Ends every run: call it after main() returns, so main's models, buckets and hooks are gone.
 
-    Why: a gloo process group runs worker threads (pt_gloo_runloop) and a socket loop (gloo_tcp_loop)
-    for as long as the group object lives. destroy_process_group() drops only torch's own references;
-    a group still held elsewhere is freed during interpreter shutdown, its threads still running. A
-    worker that then frees a finished collective's tensors must take the GIL, and a finalizing
-    interpreter ends that thread with pthread_exit, whose unwinding through C++ calls std::terminate:
-    "terminate called without an active exception", SIGABRT (exit -6) after the run did all its work,
-    about once in 100 launches under load here. What held groups past destroy: default arguments
-    bound at import (see the imports at the top), reference cycles of FSDP2/DTensor modules, and
-    DTensor's caches of DeviceMesh objects. So, in order: free the cycles, clear those caches, destroy
-    every group, and check that no backend thread is left (a warning names the leak: tests fail on it)."""
+    Why: a gloo process group runs worker threads (pt_gloo_runloop) and a socket loop
+    (gloo_tcp_loop) for as long as the group object lives. destroy_process_group() drops only
+    torch's own references; a group still held elsewhere is freed during interpreter shutdown, its
+    threads still running. A worker that then frees a finished collective's tensors must take the
+    GIL, and a finalizing interpreter ends that thread with pthread_exit, whose unwinding through
+    C++ calls std::terminate: "terminate called without an active exception", SIGABRT (exit -6)
+    after the run did all its work, about once in 100 launches under load here. What held groups
+    past destroy: default arguments bound at import (see the imports at the top), reference cycles
+    of FSDP2/DTensor modules, and DTensor's caches of DeviceMesh objects. So, in order: free the
+    cycles, clear those caches, destroy every group, and check that no backend thread is left (a
+    warning names the leak: tests fail on it)."""
     gc.collect()
     if "torch.distributed.tensor" in sys.modules:
         from torch.distributed.tensor import _redistribute, debug
@@ -137,8 +154,8 @@ def teardown():
             if clear is not None:
                 clear()
         for cache in [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]:
-            if getattr(cache, "__module__", "").startswith("torch.distributed"):  # e.g. MeshTopoInfo.build_from_mesh
-                cache.cache_clear()
+            if getattr(cache, "__module__", "").startswith("torch.distributed"):
+                cache.cache_clear()  # e.g. MeshTopoInfo.build_from_mesh
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
@@ -154,7 +171,8 @@ def teardown():
         gc.collect()
     alive = backend_threads()
     if alive:
-        print(f"warning: teardown: {len(alive)} communication thread(s) ({', '.join(sorted(set(alive)))}) still "
+        names = ", ".join(sorted(set(alive)))
+        print(f"warning: teardown: {len(alive)} communication thread(s) ({names}) still "
               "running after destroy_process_group(): something still references a process group",
               file=sys.stderr, flush=True)
 
@@ -177,27 +195,32 @@ PREPARE_TIMEOUT = timedelta(hours=2)
 
 
 def setup_data(args):
-    """Local rank 0 of every node prepares that node's data/<dataset>/ (tokenising the text on first
-    use: a node with its own checkout has nothing yet) while the node's other ranks wait. Then every
-    rank learns every node's verdict (an all-gather of a short string, on a gloo group of its own whose
-    timeout is PREPARE_TIMEOUT) and either goes on or exits with the first error."""
+    """Local rank 0 of every node prepares that node's data/<dataset>/ (tokenising the text on
+    first use: a node with its own checkout has nothing yet) while the node's other ranks wait.
+    Then every rank learns every node's verdict (an all-gather of a short string, on a gloo group of
+    its own whose timeout is PREPARE_TIMEOUT) and either goes on or exits with the first error."""
     verdict = None
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         try:
-            verdict = data.prepare(args.dataset, args.data_file) or data.check_block_size(args.block_size, args.dataset)
+            verdict = data.prepare(args.dataset, args.data_file)
+            if verdict is None:
+                verdict = data.check_block_size(args.block_size, args.dataset)
         except Exception as e:  # turn anything unexpected into one line instead of a hang
-            verdict = f"--dataset {args.dataset}: preparing the data failed: {type(e).__name__}: {e}"
-        if verdict is not None and dist.get_world_size() > int(os.environ.get("LOCAL_WORLD_SIZE", 1)):
-            verdict += f" (on node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
+            reason = f"{type(e).__name__}: {e}"
+            verdict = f"--dataset {args.dataset}: preparing the data failed: {reason}"
+        multi_node = dist.get_world_size() > int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if verdict is not None and multi_node:
+            node = os.environ.get("GROUP_RANK", "?")
+            verdict += f" (on node {node}, host {socket.gethostname()})"
     group = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT)
     die_on_any(verdict, group)
     dist.destroy_process_group(group)
 
 
 def die_on_any(verdict, group=None):
-    """Collective: every rank passes its verdict (None, or an error line); if any rank has an error, every
-    rank exits with the first one (rank 0 prints it), so a check that only some ranks can make (a node's
-    data, a rank's own file) still ends the job with one line and no rank waiting."""
+    """Collective: every rank passes its verdict (None, or an error line); if any rank has an error,
+    every rank exits with the first one (rank 0 prints it), so a check that only some ranks can make
+    (a node's data, a rank's own file) still ends the job with one line and no rank waiting."""
     verdicts = [None] * dist.get_world_size(group)
     dist.all_gather_object(verdicts, verdict, group=group)
     error = next((v for v in verdicts if v is not None), None)
@@ -212,13 +235,19 @@ def clip_grad_norm_(sharded, replicated, max_norm, group=None):
     gradients every rank of the group holds equal, counted once. Every gradient is then scaled by
     min(1, max_norm / (norm + 1e-6)), the same factor on every rank; max_norm 0 only measures."""
     grads = (sharded or []) + replicated
-    device = grads[0].device if grads else torch.device(
-        "cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    if grads:
+        device = grads[0].device
+    elif dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
     sharded_sq = [(g.float() * g.float()).sum() for g in sharded or []]
     local = torch.stack(sharded_sq).sum() if sharded_sq else torch.zeros((), device=device)
     if sharded is not None:
         dist.all_reduce(local, group=group)
-    norm = (local + sum(((g.float() * g.float()).sum() for g in replicated), torch.zeros((), device=device))).sqrt()
+    replicated_sq = ((g.float() * g.float()).sum() for g in replicated)
+    total = local + sum(replicated_sq, torch.zeros((), device=device))
+    norm = total.sqrt()
     if max_norm > 0:
         clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in grads:

@@ -53,7 +53,12 @@ class Timers:
     step), seconds from the step's start, for a timeline."""
 
     def __init__(self):
-        self.seconds, self.spans, self.last_spans, self.keep_spans, self.steps, self.t0 = {}, [], [], False, {}, 0.0
+        self.seconds = {}
+        self.spans = []
+        self.last_spans = []
+        self.keep_spans = False
+        self.steps = {}
+        self.t0 = 0.0
 
     @contextmanager
     def __call__(self, name, label=None):
@@ -67,7 +72,9 @@ class Timers:
                 self.spans.append((label or name, start - self.t0, end - self.t0))
 
     def start_step(self):
-        self.seconds, self.spans, self.t0 = {}, [], time.perf_counter()
+        self.seconds = {}
+        self.spans = []
+        self.t0 = time.perf_counter()
 
     def end_step(self):
         for name, s in self.seconds.items():
@@ -88,12 +95,14 @@ class SavedActivations:
     the same way on CPU and GPU, whatever the allocator does."""
 
     def __init__(self):
-        self.storages, self.measured = {}, False
+        self.storages = {}
+        self.measured = False
 
     def _pack(self, t):
         # parameters, and views of them (a Linear saves its weight transposed), are not activations
         if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
-            storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()  # a DTensor's local shard
+            local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's local shard
+            storage = local.untyped_storage()
             self.storages[storage.data_ptr()] = storage.nbytes()
         return t
 
@@ -117,7 +126,8 @@ class SavedActivations:
         return self
 
 
-activations = SavedActivations()  # a strategy measures with `with activations.first():`; the summary reports it
+# a strategy measures with `with activations.first():`; the summary reports it
+activations = SavedActivations()
 
 
 class Metrics:
@@ -127,7 +137,8 @@ class Metrics:
         self.enabled = enabled
         self.tokens_per_sec = []
         timers.start_step()
-        self.file = self.writer = None
+        self.file = None
+        self.writer = None
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
@@ -135,10 +146,14 @@ class Metrics:
         kept = []
         if start_step > 0 and os.path.exists(path):
             with open(path) as f:
-                kept = [line for line in f if line.strip() and not json.loads(line).get("summary")
-                        and json.loads(line).get("step", 0) < start_step]
-        # The kept lines go to a new file that replaces the old one by a rename, as the checkpoint does:
-        # a crash here leaves the old file whole, never a truncated one.
+                for line in f:
+                    if not line.strip():
+                        continue
+                    record = json.loads(line)
+                    if not record.get("summary") and record.get("step", 0) < start_step:
+                        kept.append(line)
+        # The kept lines go to a new file that replaces the old one by a rename, as the checkpoint
+        # does: a crash here leaves the old file whole, never a truncated one.
         tmp = f"{path}.tmp.{os.getpid()}"
         with open(tmp, "w") as f:
             f.writelines(kept)
@@ -164,8 +179,9 @@ class Metrics:
 
     def step(self, step, loss, lr, grad_norm, tokens, seconds, device, log_interval):
         timers.end_step()
-        record = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_sec=tokens / seconds,
-                      step_ms=1000 * seconds, peak_mem_bytes=peak_mem_bytes(device))
+        record = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
+                      tokens_per_sec=tokens / seconds, step_ms=1000 * seconds,
+                      peak_mem_bytes=peak_mem_bytes(device))
         self.log(record)
         if self.enabled and (step % log_interval == 0):
             print(f"iter {step}: loss {loss:.4f}, lr {lr:.2e}, norm {grad_norm:.3f}, "
@@ -175,27 +191,36 @@ class Metrics:
         timers.start_step()  # the evaluation's waits are not the next step's
         self.log(dict(step=step, val_loss=losses["val"], train_loss=losses["train"]))
         if self.enabled:
-            print(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", flush=True)
+            train_loss = losses["train"]
+            val_loss = losses["val"]
+            print(f"step {step}: train loss {train_loss:.4f}, val loss {val_loss:.4f}", flush=True)
 
     def summary(self, model_state_bytes, device, run=None, **extra):
         """Collective: every rank's model state, peak memory, timer medians and `extra` values are
-        gathered, and rank 0 writes them as lists (<key>_per_rank) in the summary line; `run`: values
-        of the whole run (rank 0's), written under their own names."""
+        gathered, and rank 0 writes them as lists (<key>_per_rank) in the summary line; `run`:
+        values of the whole run (rank 0's), written under their own names."""
+        timer_ms = {f"{k}_ms": round(v, 3) for k, v in timers.medians_ms().items()}
         mine = dict(model_state_bytes=model_state_bytes, peak_mem_bytes=peak_mem_bytes(device),
-                    **{f"{k}_ms": round(v, 3) for k, v in timers.medians_ms().items()}, **extra)
+                    **timer_ms, **extra)
         if activations.measured:
             mine["saved_activation_bytes"] = activations.bytes
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
+        median_tokens_per_sec = 0.0
+        if self.tokens_per_sec:
+            median_tokens_per_sec = statistics.median(self.tokens_per_sec)
+        per_rank = {}
+        for key in ranks[0]:
+            per_rank[f"{key}_per_rank"] = [r.get(key) for r in ranks]
         record = dict(summary=True, model_state_bytes=ranks[0]["model_state_bytes"],
                       peak_mem_bytes=ranks[0]["peak_mem_bytes"],
-                      tokens_per_sec=statistics.median(self.tokens_per_sec) if self.tokens_per_sec else 0.0,
-                      **{f"{k}_per_rank": [r.get(k) for r in ranks] for k in ranks[0]}, **(run or {}))
+                      tokens_per_sec=median_tokens_per_sec, **per_rank, **(run or {}))
         self.log(record)
         if self.enabled:
+            peak_mib = max(record["peak_mem_bytes_per_rank"]) / 2**20
             print(f"done: median {record['tokens_per_sec']:,.0f} tok/s, model state "
                   f"{record['model_state_bytes'] / 2**20:.1f} MiB/rank, peak memory "
-                  f"{max(record['peak_mem_bytes_per_rank']) / 2**20:.0f} MiB/rank (max)", flush=True)
+                  f"{peak_mib:.0f} MiB/rank (max)", flush=True)
 
     def close(self):
         if self.file is not None:
@@ -213,11 +238,15 @@ class Profiler:
     def __init__(self, args, rank):
         self.prof = None
         if args.profile:
-            from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self.prof = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
-                                on_trace_ready=tensorboard_trace_handler(os.path.join(args.out_dir, "profile"),
-                                                                         worker_name=f"rank{rank}"))
+            from torch.profiler import ProfilerActivity, profile, schedule
+            from torch.profiler import tensorboard_trace_handler
+            activities = [ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(ProfilerActivity.CUDA)
+            steps = schedule(wait=1, warmup=1, active=3, repeat=1)
+            trace_dir = os.path.join(args.out_dir, "profile")
+            write_trace = tensorboard_trace_handler(trace_dir, worker_name=f"rank{rank}")
+            self.prof = profile(activities=activities, schedule=steps, on_trace_ready=write_trace)
             self.prof.start()
 
     def step(self):

@@ -58,11 +58,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        # q, k, v: (B, nh, T, hs)
+        dropout_p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -125,7 +126,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None):
         B, T = idx.size()
-        assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
+        block_size = self.config.block_size
+        assert T <= block_size, f"sequence length {T} > block_size {block_size}"
         pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
@@ -134,7 +136,8 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+            flat_logits = logits.view(-1, logits.size(-1)).float()  # (B*T, vocab)
+            loss = F.cross_entropy(flat_logits, targets.view(-1), ignore_index=-1)
         return logits, loss
 
 
@@ -164,8 +167,8 @@ def init_tensor(name, shape, config, seed):
 
 @torch.no_grad()
 def materialize_(module, prefix, config, seed, device=None):
-    """Give every parameter of `module` (e.g. a Block called prefix="transformer.h.3.") storage on
-    `device` (default: where it is; meta moves to CPU) and its initial value. Buffers: none in GPT."""
+    """Give every parameter of `module` (e.g. a Block, prefix="transformer.h.3.") storage on
+    `device` (default: where it is; meta moves to CPU) and its initial value. GPT has no buffers."""
     params = dict(module.named_parameters())
     if any(p.is_meta for p in params.values()) or device is not None:
         target = device if device is not None else "cpu"

@@ -1,10 +1,12 @@
 """The tables run_all.sh prints, read from the runs' metrics.jsonl files.
 
-  python -m common.report smoke RUNS_DIR   # one row per run vs RUNS_DIR/reference; exit 1 on failure/divergence
-  python -m common.report smoke-gpu RUNS_DIR   # the same, bf16 at world size 1 on a GPU
-  python -m common.report bench RUNS_DIR   # median tokens/s per (strategy, implementation) over alternating
-                                           # rounds, custom/pytorch ratios, and ratios to the 1-process limit
-  python -m common.report extra RUNS_DIR   # one row per run with the strategy-specific summary keys
+  python -m common.report smoke RUNS_DIR      # one row per run vs RUNS_DIR/reference;
+                                              # exit 1 on a failure or divergence
+  python -m common.report smoke-gpu RUNS_DIR  # the same, bf16 at world size 1 on a GPU
+  python -m common.report bench RUNS_DIR      # median tokens/s per (strategy, implementation)
+                                              # over alternating rounds, custom/pytorch ratios,
+                                              # and ratios to the 1-process limit
+  python -m common.report extra RUNS_DIR      # one row per run, strategy-specific summary keys
 Run folders are named <strategy>-<implementation>[-r<round>]; each holds metrics.jsonl, exit_code
 and device (where it ran, e.g. "cpu x2").
 """
@@ -83,12 +85,14 @@ def smoke(runs_dir, tol=SMOKE_TOL):
     return 0
 
 
-COMPARE = [  # (strategy, implementation) pairs whose tokens/s ratio the bench prints: run_all.sh's variants
+# (strategy, implementation) pairs whose tokens/s ratio the bench prints: run_all.sh's variants
+COMPARE = [
     (("zero3-stage1", "custom"), ("zero3-stage1", "pytorch")),  # vs DDP + ZeroRedundancyOptimizer
     (("zero3-stage1", "custom"), ("ddp", "custom")),  # only the optimizer is split
     (("zero3-stage2", "custom"), ("zero3-stage1", "custom")),
     (("zero3", "custom"), ("zero3-stage2", "custom")),
-    (("pp-1f1b-m8-vocab", "custom"), ("pp-1f1b-m8", "custom")),  # the head split over the pipeline ranks
+    # the head split over the pipeline ranks
+    (("pp-1f1b-m8-vocab", "custom"), ("pp-1f1b-m8", "custom")),
 ]
 
 
@@ -97,38 +101,50 @@ def bench(runs_dir):
     for name in sorted(os.listdir(runs_dir)):
         if os.path.isdir(os.path.join(runs_dir, name)):
             strategy, implementation, r = name.rsplit("-", 2)
-            rounds.setdefault((strategy, implementation), {})[int(r.lstrip("r"))] = load(os.path.join(runs_dir, name))
-    medians, per_rounds, failed = {}, {}, []  # per_rounds: (strategy, implementation) -> {round: tokens/s}
-    print(f"{'strategy':<20} {'impl':<8} {'tokens/s (median of rounds)':>28} {'per round':>28} {'peak MiB/rank':>14} "
-          f"{'model state MiB/rank':>21}")
+            by_round = rounds.setdefault((strategy, implementation), {})
+            by_round[int(r.lstrip("r"))] = load(os.path.join(runs_dir, name))
+    medians = {}
+    per_rounds = {}  # (strategy, implementation) -> {round: tokens/s}
+    failed = []
+    print(f"{'strategy':<20} {'impl':<8} {'tokens/s (median of rounds)':>28} {'per round':>28} "
+          f"{'peak MiB/rank':>14} {'model state MiB/rank':>21}")
     for (strategy, implementation), by_round in sorted(rounds.items()):
         runs = [by_round[r] for r in sorted(by_round)]
         if not all(r["ok"] for r in runs):
             failed.append(f"{strategy}-{implementation}")
             print(f"{strategy:<20} {implementation:<8} FAILED")
             continue
-        per_rounds[(strategy, implementation)] = {r: by_round[r]["summary"]["tokens_per_sec"] for r in sorted(by_round)}
-        per_round = list(per_rounds[(strategy, implementation)].values())
-        medians[(strategy, implementation)] = statistics.median(per_round)
+        key = (strategy, implementation)
+        per_rounds[key] = {r: by_round[r]["summary"]["tokens_per_sec"] for r in sorted(by_round)}
+        per_round = list(per_rounds[key].values())
+        medians[key] = statistics.median(per_round)
         peak = max(max(r["summary"]["peak_mem_bytes_per_rank"]) for r in runs)
         state = "/".join(mib(b) for b in runs[0]["summary"]["model_state_bytes_per_rank"])
-        print(f"{strategy:<20} {implementation:<8} {statistics.median(per_round):>28,.0f} "
-              f"{' '.join(f'{t:,.0f}' for t in per_round):>28} {mib(peak):>14} {state:>21}")
+        rounds_text = " ".join(f"{t:,.0f}" for t in per_round)
+        print(f"{strategy:<20} {implementation:<8} {medians[key]:>28,.0f} "
+              f"{rounds_text:>28} {mib(peak):>14} {state:>21}")
     print()
 
     def ratio(a, b):
-        """The ratio of the medians, and the median of the per-round ratios: the two runs of a round ran
-        minutes apart, so a machine that is slower for a while slows both, and their ratio keeps."""
-        paired = [per_rounds[a][r] / per_rounds[b][r] for r in sorted(per_rounds[a]) if r in per_rounds[b]]
-        return f"{medians[a] / medians[b]:.3f} (paired by round: median {statistics.median(paired):.3f}, " \
-               f"per round {' '.join(f'{q:.3f}' for q in paired)})"
+        """The ratio of the medians, and the median of the per-round ratios: the two runs of a
+        round ran minutes apart, so a machine that is slower for a while slows both, and their
+        ratio keeps."""
+        both = [r for r in sorted(per_rounds[a]) if r in per_rounds[b]]
+        paired = [per_rounds[a][r] / per_rounds[b][r] for r in both]
+        of_medians = medians[a] / medians[b]
+        paired_median = statistics.median(paired)
+        paired_text = " ".join(f"{q:.3f}" for q in paired)
+        return (f"{of_medians:.3f} (paired by round: median {paired_median:.3f}, "
+                f"per round {paired_text})")
 
     limit = medians.get(("limit", "1proc"))
     for (strategy, implementation), tps in sorted(medians.items()):
         if implementation == "custom" and (strategy, "pytorch") in medians:
-            print(f"{strategy}: custom/pytorch tokens/s = {ratio((strategy, implementation), (strategy, 'pytorch'))}")
+            custom_vs_pytorch = ratio((strategy, implementation), (strategy, "pytorch"))
+            print(f"{strategy}: custom/pytorch tokens/s = {custom_vs_pytorch}")
         if limit and strategy not in ("limit",):
-            print(f"{strategy} {implementation}: tokens/s vs one process on all cores = {tps / limit:.3f}")
+            print(f"{strategy} {implementation}: tokens/s vs one process on all cores = "
+                  f"{tps / limit:.3f}")
     for a, b in COMPARE:
         if a in medians and b in medians:
             print(f"{'-'.join(a)} / {'-'.join(b)} tokens/s = {ratio(a, b)}")
@@ -138,17 +154,26 @@ def bench(runs_dir):
     return 0
 
 
+def _slashed(values, spec):
+    """One value per rank in one cell, "a/b/c", each formatted with `spec`."""
+    return "/".join(format(x, spec) for x in values)
+
+
+def _slashed_mib(values):
+    return _slashed([x / 2**20 for x in values], ".1f")
+
+
 EXTRA_KEYS = {  # summary key -> (column, format)
-    "exposed_comm_ms_per_rank": ("exposed comm ms/rank", lambda v: "/".join(f"{x:.1f}" for x in v)),
+    "exposed_comm_ms_per_rank": ("exposed comm ms/rank", lambda v: _slashed(v, ".1f")),
     "saved_activation_bytes_per_rank": ("activations MiB/rank", lambda v: mib(max(v))),
     "bubble_measured": ("bubble", lambda v: f"{v:.1%}"),
     "bubble_theory": ("theory", lambda v: f"{v:.1%}"),
     "bubble_for_stage_times": ("for these stage times", lambda v: f"{v:.1%}"),
-    "peak_activation_bytes_per_rank": ("peak act. MiB/rank", lambda v: "/".join(f"{x / 2**20:.1f}" for x in v)),
-    "compute_ms_per_rank": ("F+B ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
-    "broadcast_wait_ms_per_rank": ("broadcast wait ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
-    "reduce_wait_ms_per_rank": ("reduce wait ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
-    "attention_ms_per_rank": ("attention ms/rank", lambda v: "/".join(f"{x:.0f}" for x in v)),
+    "peak_activation_bytes_per_rank": ("peak act. MiB/rank", _slashed_mib),
+    "compute_ms_per_rank": ("F+B ms/rank", lambda v: _slashed(v, ".0f")),
+    "broadcast_wait_ms_per_rank": ("broadcast wait ms/rank", lambda v: _slashed(v, ".0f")),
+    "reduce_wait_ms_per_rank": ("reduce wait ms/rank", lambda v: _slashed(v, ".0f")),
+    "attention_ms_per_rank": ("attention ms/rank", lambda v: _slashed(v, ".0f")),
 }
 
 
@@ -162,8 +187,13 @@ def extra(runs_dir):
             print(f"{name:<32} FAILED (exit {run['exit_code']})")
             continue
         s = run["summary"]
-        details = ", ".join(f"{col} {fmt(s[key])}" for key, (col, fmt) in EXTRA_KEYS.items() if key in s)
-        print(f"{name:<32} {s['tokens_per_sec']:>10,.0f} {mib(max(s['peak_mem_bytes_per_rank'])):>14}  {details}")
+        cells = []
+        for key, (column, fmt) in EXTRA_KEYS.items():
+            if key in s:
+                cells.append(f"{column} {fmt(s[key])}")
+        details = ", ".join(cells)
+        peak = mib(max(s["peak_mem_bytes_per_rank"]))
+        print(f"{name:<32} {s['tokens_per_sec']:>10,.0f} {peak:>14}  {details}")
     if failed:
         print("FAILED: " + ", ".join(failed))
         return 1
