@@ -1,5 +1,6 @@
-"""zero3_train.py: partition, gradients equal to one process, memory and communication ledgers,
-bf16 (what autograd saves, half the broadcast bytes), checkpoint round trip, more ranks than tensors, bad input;
+"""zero3_train.py: partition, stage 1's buckets (no rebuild needed), gradients equal to one process, memory and
+communication ledgers, bf16 (what autograd saves, half the broadcast bytes), checkpoint round trip, more ranks than
+tensors, bad input;
 stages 1 and 2 and stage 1's peer (DDP + ZeroRedundancyOptimizer): one step equal to one process, memory and
 communication ledgers, the peer's consolidated checkpoint; resume across the stages."""
 import re
@@ -15,8 +16,9 @@ from common.distributed import clip_grad_norm_
 from common.config import parse_args
 from common.data import get_batch
 from common.metrics import held_bytes, model_state_bytes
-from common.model import GPT, PRESETS, GPTConfig, configure_optimizer, init_tensor
-from zero3_train import STAGES, ZeRO3, Zero3, add_zero3_flags, gather_full_state, materialize_owned_, partition
+from common.model import GPT, PRESETS, GPTConfig, configure_optimizer, init_tensor, num_params
+from zero3_train import (STAGES, GradientBuckets, ParamFetcher, ReduceToOwner, ZeRO1, ZeRO3, add_zero3_flags,
+                         gather_full_state, materialize_owned_, partition)
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)  # wte is 97% of P
 BALANCED = GPTConfig(block_size=16, vocab_size=256, n_layer=4, n_head=2, n_embd=64)  # no dominant tensor
@@ -28,11 +30,15 @@ def _shapes(config):
 
 
 def _build(rank, world_size, config, threshold, prefetch=True, reuse=0, dtype=torch.float32):
+    """Stage 3's pieces as ZeRO3 puts them together: the meta model materialised where owned, the
+    gradients' reduces to their owners (ReduceToOwner) and the fetch/free around each module (ParamFetcher)."""
     model = GPT(config, device="meta")
     owner, _ = partition([(n, p.shape) for n, p in model.named_parameters()], world_size, threshold)
-    masters = materialize_owned_(model, owner, rank, lambda n, s: init_tensor(n, s, config, 0), torch.device("cpu"),
-                                 dtype)
-    return model, Zero3(model, owner, rank, world_size, masters, prefetch, reuse)
+    values = {n: init_tensor(n, p.shape, config, 0) for n, p in model.named_parameters() if owner[n] in (None, rank)}
+    masters = materialize_owned_(model, owner, rank, values, torch.device("cpu"), dtype)
+    by_param = {p: owner[n] for n, p in model.named_parameters()}
+    reducer = ReduceToOwner(by_param, rank, masters)
+    return model, reducer, ParamFetcher(model, by_param, rank, masters, prefetch, reuse)
 
 
 def _rows(rank, world_size, config, batch=8, step=0):
@@ -42,16 +48,17 @@ def _rows(rank, world_size, config, batch=8, step=0):
     return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
-def _backward(model, zero3, x, y, accum, world_size, dtype=torch.float32):
+def _backward(model, reducer, fetcher, x, y, accum, world_size, dtype=torch.float32):
     """One optimizer step's micro-steps, as ZeRO3.forward_backward runs them; leaves averaged owned gradients."""
     micro = x.size(0) // accum
     for j in range(accum):
-        zero3.sync_persistent = j == accum - 1
+        reducer.sync_persistent = j == accum - 1
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             _, loss = model(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro])
         (loss / accum).backward()
-        zero3.finish_backward()
-    for p in zero3.owned + zero3.persistent:
+        reducer.finish_backward()
+        assert not fetcher.fetched, "a fetched tensor was not freed"
+    for p in reducer.owned + reducer.persistent:
         p.grad.div_(world_size)
 
 
@@ -86,6 +93,25 @@ def test_partition_worked_by_hand():
     assert max(load) <= 1.1 * sum(load) / 2  # no dominant tensor: within 10% of the mean
 
 
+# ---- stage 1's buckets ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config", [CONFIG, BALANCED, PRESETS["small"], PRESETS["gpt2"]],
+                         ids=["tiny", "balanced", "small", "gpt2"])
+def test_stage_1_buckets_need_no_rebuild(config):
+    """ZeRO1 keeps GradientBuckets' first guess (reverse registration order) and skips ddp_train.py's rebuild: at
+    its bucket size, for this GPT, the buckets built from the measured ready order hold the same tensors, bucket for
+    bucket (in another order within a bucket: for 2 ranks the same sums)."""
+    model = GPT(config, seed=0)
+    buckets = GradientBuckets(model, ZeRO1.bucket_cap_mb)
+    guess = [{id(p) for p in bucket.params} for bucket in buckets.buckets]
+    buckets.require_sync = False  # accumulate only: one process, nothing to send
+    x, y = get_batch("train", 0, 2, 16, seed=0)  # 16 tokens: the order does not depend on the length
+    model(x % config.vocab_size, y % config.vocab_size)[1].backward()
+    buckets._make_buckets(list(dict.fromkeys(buckets.ready_order)))  # what the rebuild would build
+    assert [{id(p) for p in bucket.params} for bucket in buckets.buckets] == guess
+    print(f"{num_params(model):,} params: {len(guess)} buckets of {ZeRO1.bucket_cap_mb} MiB")
+
+
 # ---- every distributed check runs in one pair of spawned gloo ranks (starting them is the slow part)
 
 KEEP = 10**9  # a --max_reuse_distance that keeps the tied wte from the embedding to the head
@@ -111,19 +137,19 @@ def ranks():
 # ---- gradients: owners hold exactly the single-process gradient ------------------------------
 
 def _gradients_vs_one_process(rank, world_size, threshold, prefetch, accum, reuse):
-    model, zero3 = _build(rank, world_size, CONFIG, threshold, prefetch, reuse)
+    model, reducer, fetcher = _build(rank, world_size, CONFIG, threshold, prefetch, reuse)
     x, y = _rows(rank, world_size, CONFIG)
-    _backward(model, zero3, x, y, accum, world_size)
+    _backward(model, reducer, fetcher, x, y, accum, world_size)
     reference = GPT(CONFIG, seed=0)
     xa, ya = get_batch("train", 0, 8, CONFIG.block_size, seed=0)
     reference(xa, ya)[1].backward()
     ref = dict(reference.named_parameters())
     names = {p: n for n, p in model.named_parameters()}
-    weights = max((p - ref[names[p]]).abs().max().item() for p in zero3.owned + zero3.persistent)
-    grads = max((p.grad - ref[names[p]].grad).abs().max().item() for p in zero3.owned + zero3.persistent)
-    others = [p for p in names if zero3.owner[p] not in (None, rank)]
+    weights = max((p - ref[names[p]]).abs().max().item() for p in reducer.owned + reducer.persistent)
+    grads = max((p.grad - ref[names[p]].grad).abs().max().item() for p in reducer.owned + reducer.persistent)
+    others = [p for p in names if reducer.owner[p] not in (None, rank)]
     leftovers = held_bytes(others) + sum(p.grad is not None for p in others)
-    return weights, grads, leftovers, len(zero3.owned)
+    return weights, grads, leftovers, len(reducer.owned)
 
 
 GRADIENT_CASES = [(0, True, 1, 0), (SMALL_TENSORS, False, 2, KEEP), (SMALL_TENSORS, True, 4, 0),
@@ -144,44 +170,44 @@ def test_owned_gradients_equal_one_process(ranks, case):
 # ---- memory ledger ------------------------------------------------------------------------------
 
 def _memory_ledger(rank, world_size, threshold, reuse):
-    model, zero3 = _build(rank, world_size, BALANCED, threshold, reuse=reuse)
-    nonowned = {p for p in zero3.owner if zero3.owner[p] not in (None, rank)}  # sets: tensors hash by identity
+    model, reducer, fetcher = _build(rank, world_size, BALANCED, threshold, reuse=reuse)
+    nonowned = {p for p in reducer.owner if reducer.owner[p] not in (None, rank)}  # sets: tensors hash by identity
     held_at, expected_at = [], []
 
     def expect(units):  # the non-owned bytes of these units' tensors (a tensor in two units counts once)
-        return sum(p.numel() * p.element_size() for p in {q for u in units for q in zero3.units[u].parameters()}
+        return sum(p.numel() * p.element_size() for p in {q for u in units for q in fetcher.units[u].parameters()}
                    if p in nonowned)
 
     def record(units):  # returns None: a pre-hook that returns something would replace the inputs
         held_at.append(held_bytes(nonowned))
         expected_at.append(expect(units))
 
-    n = len(zero3.units)
-    for i, unit in enumerate(zero3.units):  # registered after Zero3's hooks: they see the fetched state
+    n = len(fetcher.units)
+    for i, unit in enumerate(fetcher.units):  # registered after ParamFetcher's hooks: they see the fetched state
         # forward: this module and the prefetched next one; when kept, the embedding's wte until the head
         unit.register_forward_pre_hook(lambda m, a, units=[i] + ([i + 1] if i + 1 < n else []) + ([0] if reuse and i else []): record(units))
-        if i in zero3.backward_order:
-            k = zero3.backward_order.index(i)
-            unit.register_full_backward_pre_hook(lambda m, g, units=[i] + zero3.backward_order[k + 1:k + 2]: record(units))
-    optimizer = configure_optimizer([(n, p) for n, p in model.named_parameters() if zero3.owner[p] in (None, rank)],
+        if i in fetcher.backward_order:
+            k = fetcher.backward_order.index(i)
+            unit.register_full_backward_pre_hook(lambda m, g, units=[i] + fetcher.backward_order[k + 1:k + 2]: record(units))
+    optimizer = configure_optimizer([(n, p) for n, p in model.named_parameters() if reducer.owner[p] in (None, rank)],
                                     0.1, 1e-3, (0.9, 0.95))
     x, y = _rows(rank, world_size, BALANCED)
-    _backward(model, zero3, x, y, 1, world_size)
+    _backward(model, reducer, fetcher, x, y, 1, world_size)
     after_backward = held_bytes(nonowned)
-    grads = {zero3.owner[p]: 0 for p in zero3.owner}  # measured: the bytes of the .grad tensors, by owner
-    for p in zero3.owner:
-        grads[zero3.owner[p]] += held_bytes([p.grad])
+    grads = {reducer.owner[p]: 0 for p in reducer.owner}  # measured: the bytes of the .grad tensors, by owner
+    for p in reducer.owner:
+        grads[reducer.owner[p]] += held_bytes([p.grad])
     optimizer.step()
     state = model_state_bytes(optimizer)  # what the script reports: the optimizer's params, grads and state
     # the same count over every tensor of the model: a freed non-owned tensor (0-byte storage) counts 0
-    params = list(zero3.owner)
+    params = list(reducer.owner)
     everything = (held_bytes(params) + held_bytes(p.grad for p in params)
                   + held_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)))
     freed = [held_bytes([p]) for p in nonowned] + [p.untyped_storage().nbytes() for p in nonowned]
     counts_held_only = state == everything and not any(freed) and all(p.numel() > 0 for p in nonowned)
-    kept = [p for p in params if zero3.owner[p] in (None, rank)]
+    kept = [p for p in params if reducer.owner[p] in (None, rank)]
     return (held_at, expected_at, after_backward, state, grads, sum(p.numel() for p in kept), len(kept),
-            sum(p.numel() for p in zero3.persistent), expect(range(len(zero3.units))), counts_held_only)
+            sum(p.numel() for p in reducer.persistent), expect(range(len(fetcher.units))), counts_held_only)
 
 
 @pytest.mark.parametrize("case", MEMORY_CASES, ids=[f"threshold{t}-reuse{r}" for t, r in MEMORY_CASES])
@@ -229,15 +255,15 @@ def counting_collectives():
 
 
 def _communication(rank, world_size, threshold, accum, reuse, dtype=torch.float32):
-    model, zero3 = _build(rank, world_size, CONFIG, threshold, reuse=reuse, dtype=dtype)
+    model, reducer, fetcher = _build(rank, world_size, CONFIG, threshold, reuse=reuse, dtype=dtype)
     with counting_collectives() as sent:
         x, y = _rows(rank, world_size, CONFIG)
-        _backward(model, zero3, x, y, accum, world_size, dtype)
+        _backward(model, reducer, fetcher, x, y, accum, world_size, dtype)
     sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}  # what the model computes with
-    grads = {n: held_bytes([zero3.masters[p].grad]) for n, p in model.named_parameters() if p in zero3.masters}
-    owner = {n: zero3.owner[p] for n, p in model.named_parameters()}
+    grads = {n: held_bytes([reducer.masters[p].grad]) for n, p in model.named_parameters() if p in reducer.masters}
+    owner = {n: reducer.owner[p] for n, p in model.named_parameters()}
     # per module (wte, wpe, blocks, ln_f, lm_head): the owners of its partitioned tensors
-    unit_owners = [{zero3.owner[p] for p in u.parameters()} - {None} for u in zero3.units]
+    unit_owners = [{reducer.owner[p] for p in u.parameters()} - {None} for u in fetcher.units]
     return sent, sizes, grads, owner, unit_owners
 
 
@@ -280,12 +306,12 @@ def test_bf16_broadcasts_half_the_bytes_and_reduces_fp32(ranks):
 def _saved_tensors_bf16(rank, world_size):
     """One bf16 micro-step of the strategy, recording what autograd saves for backward. Returns, measured after
     the forward, the bytes of the saved storages that are non-owned weights and that are copies of them (autocast's
-    casts: the _to_copy calls on a non-owned weight), the bytes of the non-owned buffers Zero3 holds fetched, and the
+    casts: the _to_copy calls on a non-owned weight), the bytes of the non-owned buffers ParamFetcher holds fetched, and the
     gradient bytes after backward: of the model's parameters and of the fp32 masters."""
     strategy = ZeRO3(CONFIG, parse_args("zero3", add_zero3_flags, ["--dtype", "bfloat16", "--seed", "0"]),
                      torch.device("cpu"))
-    zero3, storages, after_forward = strategy.zero, {"weight": [], "copy": []}, []
-    nonowned = [p for p in zero3.owner if zero3.owner[p] not in (None, rank)]
+    fetcher, storages, after_forward = strategy.fetcher, {"weight": [], "copy": []}, []
+    nonowned = [p for p in strategy.owner if strategy.owner[p] not in (None, rank)]
     copies = {}  # address -> storage: kept alive here, so no other storage takes its address
 
     def fetched():  # the addresses of the non-owned weights' storages that hold bytes now
@@ -308,7 +334,7 @@ def _saved_tensors_bf16(rank, world_size):
         return sum({s.data_ptr(): s.nbytes() for s in storages[kind] if s.nbytes()}.values())
 
     strategy.model.register_forward_hook(lambda m, a, out: after_forward.append(
-        (held("weight"), held("copy"), held_bytes(f for f in zero3.fetched if zero3.buffer_owner[f] != rank))))
+        (held("weight"), held("copy"), held_bytes(f for f in fetcher.fetched if fetcher.buffer_owner[f] != rank))))
     x, y = _rows(rank, world_size, CONFIG)
     with Copies(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         strategy.forward_backward(x, y, True)
@@ -334,15 +360,15 @@ def test_bf16_saves_no_copy_of_a_non_owned_weight(ranks):
 # ---- checkpoint round trip -----------------------------------------------------------------------
 
 def _checkpoint(rank, world_size):
-    model, zero3 = _build(rank, world_size, CONFIG, SMALL_TENSORS)
-    optimizer = configure_optimizer([(n, p) for n, p in model.named_parameters() if zero3.owner[p] in (None, rank)],
+    model, reducer, fetcher = _build(rank, world_size, CONFIG, SMALL_TENSORS)
+    optimizer = configure_optimizer([(n, p) for n, p in model.named_parameters() if reducer.owner[p] in (None, rank)],
                                     0.1, 1e-3, (0.9, 0.95))
     x, y = _rows(rank, world_size, CONFIG)
-    _backward(model, zero3, x, y, 1, world_size)
+    _backward(model, reducer, fetcher, x, y, 1, world_size)
     optimizer.step()
-    state, optim = gather_full_state(model, optimizer, zero3.owner, zero3.masters)
-    mine = {n: dict(param=zero3.masters[p], **optimizer.state[zero3.masters[p]])
-            for n, p in model.named_parameters() if p in zero3.masters}
+    state, optim = gather_full_state(model, optimizer, reducer.owner, reducer.masters)
+    mine = {n: dict(param=reducer.masters[p], **optimizer.state[reducer.masters[p]])
+            for n, p in model.named_parameters() if p in reducer.masters}
     every = [None] * world_size if rank == 0 else None
     dist.gather_object(mine, every)  # each owner's own values and AdamW state, the reference for rank 0's gathered ones
     xa, _ = get_batch("val", 0, 4, CONFIG.block_size, seed=0)

@@ -1,0 +1,138 @@
+"""PyTorch's own ZeRO, for zero3_train.py --implementation pytorch (stages 1 and 3; 2 has none).
+
+Stage 3: torch.distributed.fsdp.fully_shard (FSDP2) on every block and on the root, in place of
+ParamFetcher and ReduceToOwner: every tensor a Shard(0) DTensor (N slices, where zero3_train.py
+gives each tensor whole to one owner), all-gathered before each group's forward and backward,
+gradients reduce-scattered (averaged) on every micro-step; AdamW updates the local shards.
+Stage 1: torch.nn.parallel.DistributedDataParallel (gradient buckets all-reduced during backward,
+as GradientBuckets) with torch.distributed.optim.ZeroRedundancyOptimizer(AdamW), in place of
+OwnedAdamW: each rank's AdamW over the whole parameters its greedy partition gives it (per param
+group, largest first), then a broadcast from each owner (one per owner: the parameters are views
+of a bucket per rank, parameters_as_bucket_view).
+These are the methods that differ; zero3_train.py's TorchZeRO3 and TorchZeRO1 take the rest
+(the optimizer of stage 3, eval, the partition banner) from its ZeRO3 and ZeRO1 classes."""
+from contextlib import nullcontext
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from common.checkpoint import set_adamw_state
+from common.distributed import autocast, clip_grad_norm_
+from common.model import GPT, configure_optimizer, init_tensor, num_params
+
+
+class TorchZeRO3:
+    def __init__(self, config, args, device, state=None):
+        self.args, self.device = args, device
+        self.model = GPT(config, device="meta")
+        self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        if args.dtype == "bfloat16":  # gathers bf16, as ParamFetcher broadcasts it
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        else:
+            mp = MixedPrecisionPolicy()
+        for block in self.model.transformer.h:
+            fully_shard(block, mesh=self.mesh, mp_policy=mp)
+        fully_shard(self.model, mesh=self.mesh, mp_policy=mp)
+        self.model.to_empty(device=device)  # allocates only this rank's shards
+        self.kept = list(self.model.named_parameters())
+        with torch.no_grad():
+            for name, p in self.kept:  # each rank cuts its shard from the full tensor
+                if state is not None:
+                    full = state[name]
+                else:
+                    full = init_tensor(name, p.shape, config, args.seed)
+                p.copy_(self.local(p, full))
+
+    def local(self, p, full):
+        """Every rank has the full tensor: src_data_rank=None cuts this rank's shard, sending
+        nothing."""
+        full = full.to(self.device)
+        return distribute_tensor(full, self.mesh, p.placements, src_data_rank=None).clone()
+
+    def forward_backward(self, x, y, sync):
+        with autocast(self.args, self.device):
+            _, loss = self.model(x, y)
+        (loss / self.args.grad_accum_steps).backward()  # reduce-scatters every micro-step, too
+        return loss.detach().float()
+
+    def clip_grad_norm_(self, max_norm):
+        return clip_grad_norm_([p.grad.to_local() for p in self.model.parameters()], [], max_norm)
+
+    def full_state(self, optimizer):
+        model_state = {k: full_tensor(v) for k, v in self.model.state_dict().items()}
+        optimizer_state = {}
+        for name, p in self.model.named_parameters():
+            optimizer_state[name] = {k: full_tensor(v) for k, v in optimizer.state[p].items()}
+        return model_state, optimizer_state
+
+    def describe(self):
+        world_size = dist.get_world_size()
+        return f"{num_params(self.model) / 1e6:.2f}M params, torch FSDP2 over {world_size} rank(s)"
+
+
+def full_tensor(value):
+    """A DTensor all-gathered whole (a collective); a plain tensor (AdamW's step) copied."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    return value.detach().clone()
+
+
+class TorchZeRO1:
+    def __init__(self, config, args, device, state=None):
+        self.model = GPT(config, seed=args.seed, device=device)
+        self.args, self.device = args, device
+        if state is not None:
+            self.model.load_state_dict(state)
+        device_ids = [device.index] if device.type == "cuda" else None
+        self.ddp = torch.nn.parallel.DistributedDataParallel(
+            self.model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb,
+            gradient_as_bucket_view=True)
+
+    def configure_optimizer(self, args, state=None):
+        named = list(self.model.named_parameters())
+        betas = (args.beta1, args.beta2)
+        contract = configure_optimizer(named, args.weight_decay, args.learning_rate, betas)
+        optimizer = ZeroRedundancyOptimizer(contract.param_groups, torch.optim.AdamW,
+                                            parameters_as_bucket_view=True)
+        optimizer.state = optimizer.optim.state  # its own stays empty: the local AdamW's is ours
+        self.owned = [p for group in optimizer.optim.param_groups for p in group["params"]]
+        names = {p: n for n, p in named}
+        if state:  # a checkpoint's AdamW state by name: each rank loads what it owns
+            for p in self.owned:
+                set_adamw_state(optimizer, p, state[names[p]], partial(self.local, p))
+        # Rank 0 prints both partitions: ours (one greedy pass) and ZeRO's (one per param group).
+        theirs = []  # per rank: (tensors, elements) it owns
+        for groups in optimizer._partition_parameters():
+            params = [p for group in groups for p in group["params"]]
+            theirs.append((len(params), sum(p.numel() for p in params)))
+        self.assign_owners([(n, p.shape) for n, p in named], 0, theirs)
+        return optimizer
+
+    def forward_backward(self, x, y, sync):
+        with nullcontext() if sync else self.ddp.no_sync():
+            with autocast(self.args, self.device):
+                _, loss = self.ddp(x, y)
+            (loss / self.args.grad_accum_steps).backward()
+        return loss.detach().float()
+
+    def clip_grad_norm_(self, max_norm):
+        # DDP left every gradient on every rank: each element once, from its owner in ZeRO's
+        return clip_grad_norm_([p.grad for p in self.owned], [], max_norm)
+
+    def full_state(self, optimizer):
+        optimizer.consolidate_state_dict(to=0)  # collective: every rank's AdamW state to rank 0
+        if dist.get_rank() != 0:
+            return None, None
+        state = optimizer.state_dict()["state"]  # by position in param_groups
+        names = {p: n for n, p in self.model.named_parameters()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return self.model.state_dict(), {names[p]: state[i] for i, p in enumerate(params)}
+
+    def describe(self):
+        n = num_params(self.model) / 1e6
+        return f"{n:.2f}M params, torch DDP + ZeroRedundancyOptimizer(AdamW)"
