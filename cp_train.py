@@ -483,8 +483,8 @@ class ContextParallel:
                 set_adamw_state(optimizer, p, state[name], self.to_device)
         return optimizer
 
-    def to_device(self, t):
-        return t.to(self.device, copy=True)
+    def to_device(self, tensor):
+        return tensor.to(self.device, copy=True)
 
     def forward_backward(self, x, y, sync):
         """One micro-step on this rank's positions of x, y; returns the mean loss over them."""
@@ -614,8 +614,8 @@ def main(argv=None):
         out = {}
         for split in ("train", "val"):
             total = torch.zeros((), device=device)
-            for k in range(args.eval_iters):
-                x, y = get_batch(split, k, B, T, args.seed + 1, args.dataset)
+            for i in range(args.eval_iters):
+                x, y = get_batch(split, i, B, T, args.seed + 1, args.dataset)
                 x, y = x[mine].to(device), y[mine].to(device)
                 total += model.eval_loss(x, y)
             dist.all_reduce(total, op=dist.ReduceOp.AVG, group=model.dp_group)

@@ -54,7 +54,7 @@ class FlatParamUnit:
 
     def __init__(self, tensors, value_of, rank, world_size, device, compute_dtype):
         # Weight decay applies to tensors with >= 2 dims: they go first, so decay is a prefix range.
-        self.tensors = sorted(tensors, key=lambda t: len(t[1]) < 2)
+        self.tensors = sorted(tensors, key=lambda entry: len(entry[1]) < 2)  # (name, shape, module)
         self.numels = [torch.Size(shape).numel() for _, shape, _ in self.tensors]
         self.numel = sum(self.numels)
         self.shard_size = -(-self.numel // world_size)  # ceil: the padding (< N values) at the end
@@ -384,8 +384,8 @@ def main(argv=None):
         out = {}
         for split in ("train", "val"):
             total = torch.zeros((), device=device)
-            for k in range(args.eval_iters):
-                x, y = get_batch(split, k, B, T, args.seed + 1, args.dataset)
+            for i in range(args.eval_iters):
+                x, y = get_batch(split, i, B, T, args.seed + 1, args.dataset)
                 x, y = x[mine].to(device), y[mine].to(device)
                 total += model.eval_loss(x, y)
             dist.all_reduce(total, op=dist.ReduceOp.AVG, group=model.dp_group)

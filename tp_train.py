@@ -196,7 +196,7 @@ def unshard(name, shards):
     return shards[0] if dim is None else torch.cat(shards, dim=dim)
 
 
-class TP:
+class TPGroup:
     """The tensor-parallel group: its size, this rank's place in it, and whether SP is on."""
     def __init__(self, group, sequence_parallel):
         self.group = group
@@ -401,7 +401,7 @@ class TensorParallel:
         self.tp_group, _ = dist.new_subgroups_by_enumeration(self.grid.tolist())
         self.dp_group, _ = dist.new_subgroups_by_enumeration(self.grid.t().tolist())
         self.share_rng(resumed=state is not None)
-        tp = TP(self.tp_group, args.sequence_parallel)
+        tp = TPGroup(self.tp_group, args.sequence_parallel)
         self.model = TPGPT(tp, config, args.seed, device, args.loss_parallel, state)
 
     def share_rng(self, resumed):
@@ -586,8 +586,8 @@ def main(argv=None):
         out = {}
         for split in ("train", "val"):
             total = torch.zeros((), device=device)
-            for k in range(args.eval_iters):
-                x, y = get_batch(split, k, B, T, args.seed + 1, args.dataset)
+            for i in range(args.eval_iters):
+                x, y = get_batch(split, i, B, T, args.seed + 1, args.dataset)
                 x, y = x[mine].to(device), y[mine].to(device)
                 total += model.eval_loss(x, y)
             dist.all_reduce(total, op=dist.ReduceOp.AVG, group=model.dp_group)

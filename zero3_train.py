@@ -192,12 +192,13 @@ def flatten_(tensors):
         return tensors[0]
     held = tensors[0].untyped_storage().nbytes() > 0  # a buffer's tensors: all held, or none
     if held:
-        flat = torch.cat([t.detach().flatten() for t in tensors])
+        flat = torch.cat([tensor.detach().flatten() for tensor in tensors])
     else:
-        numel = sum(t.numel() for t in tensors)
+        numel = sum(tensor.numel() for tensor in tensors)
         flat = torch.empty(numel, dtype=tensors[0].dtype, device=tensors[0].device)
-    for t, view in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.data = view.view_as(t)
+    sizes = [tensor.numel() for tensor in tensors]
+    for tensor, view in zip(tensors, flat.split(sizes)):
+        tensor.data = view.view_as(tensor)
     if not held:
         flat.untyped_storage().resize_(0)
     return flat
@@ -660,8 +661,8 @@ def main(argv=None):
         out = {}
         for split in ("train", "val"):
             total = torch.zeros((), device=device)
-            for k in range(args.eval_iters):
-                x, y = get_batch(split, k, B, T, args.seed + 1, args.dataset)
+            for i in range(args.eval_iters):
+                x, y = get_batch(split, i, B, T, args.seed + 1, args.dataset)
                 x, y = x[mine].to(device), y[mine].to(device)
                 total += model.eval_loss(x, y)
             dist.all_reduce(total, op=dist.ReduceOp.AVG, group=model.dp_group)
@@ -724,7 +725,7 @@ def gather_full_state(model, optimizer, owner, masters):
             m = masters[p]
             s = optimizer.state[m]
             parts = (m, s["exp_avg"], s["exp_avg_sq"], s["step"])
-            packed = torch.cat([t.flatten().to(m) for t in parts])
+            packed = torch.cat([part.flatten().to(m) for part in parts])
         elif rank == 0:
             packed = torch.empty(3 * n + 1, device=p.device)
         if src != 0 and rank == src:
@@ -732,7 +733,8 @@ def gather_full_state(model, optimizer, owner, masters):
         elif src != 0 and rank == 0:
             dist.recv(packed, src=src)
         if rank == 0:
-            param, exp_avg, exp_avg_sq = (t.view_as(p).clone() for t in packed[:3 * n].chunk(3))
+            chunks = packed[:3 * n].chunk(3)
+            param, exp_avg, exp_avg_sq = (chunk.view_as(p).clone() for chunk in chunks)
             params[p] = param
             step = packed[3 * n].cpu().clone()
             optim[name] = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}

@@ -16,7 +16,7 @@ from common.data import get_batch
 from common.distributed import torch_name
 from common.model import GPT, GPTConfig
 from common.metrics import SavedActivations
-from tp_train import (TP, ColumnParallelLinear, RowParallelLinear, TPGPT, TensorParallel, VocabParallelCrossEntropy,
+from tp_train import (TPGroup, ColumnParallelLinear, RowParallelLinear, TPGPT, TensorParallel, VocabParallelCrossEntropy,
                       VocabParallelEmbedding, all_reduce_grads, shard, shard_dim, unshard)
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)
@@ -38,7 +38,7 @@ def _layers_equal_unsharded(rank, world_size):
 
 def _layers_equal_unsharded_sp(sp):
     """Each parallel layer vs its unsharded counterpart on the same input and output gradient."""
-    tp = TP(dist.group.WORLD, sp)
+    tp = TPGroup(dist.group.WORLD, sp)
     torch.manual_seed(0)  # the same full tensors on every rank
     diffs = {}
 
@@ -170,7 +170,7 @@ def _count_all(rank, world_size):
 
 def _count_collectives(sp, whole_model):
     """Calls of each collective (and their sizes) in one forward and one backward."""
-    tp = TP(dist.group.WORLD, sp)
+    tp = TPGroup(dist.group.WORLD, sp)
     calls, originals = [], {name: getattr(dist, torch_name(name)) for name in COLLECTIVES}
 
     def counting(name):
@@ -240,7 +240,7 @@ def _activation_bytes(rank, world_size):
     config = GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=4, n_embd=128)
     result = {}
     for sp in (False, True):
-        tp = TP(dist.group.WORLD, sp)
+        tp = TPGroup(dist.group.WORLD, sp)
         blocks = torch.nn.Sequential(*TPGPT(tp, config, seed=0, device="cpu").transformer.h)
         x = torch.randn(4, 64 // tp.size if sp else 64, config.n_embd, requires_grad=True)
         with SavedActivations() as saved:  # the meter behind the summary's saved_activation_bytes_per_rank
