@@ -23,8 +23,9 @@ from common.config import parse_args
 from common.data import get_batch
 from common.model import GPT, GPTConfig
 from common.metrics import model_state_bytes
-from pp_train import (Pipeline, ScheduleReport, activation_bytes, add_pp_flags, check_pp_args, messages, p2p_program,
-                      peak_live, schedule_actions, timetable, vocab_pass)
+from common.schedule_report import ScheduleReport, activation_bytes, peak_live
+from pp_train import (Pipeline, add_pp_flags, check_pp_args, messages, p2p_program, schedule_actions, timetable,
+                      vocab_pass)
 
 
 def F(i, c=0):
@@ -35,8 +36,8 @@ def B(i, c=0):
     return ("B", i, c)
 
 
-def V_(i):  # a vocabulary pass (V is the number of chunks in these tests)
-    return ("V", i, 0)
+def L(i):  # a vocabulary pass (L: the head and the loss; V is the number of chunks in these tests)
+    return ("L", i, 0)
 
 
 # ---- the schedules as pure functions ------------------------------------------------------
@@ -66,16 +67,16 @@ def test_gpipe_and_interleaved_orders():
 
 
 def test_vocab_parallel_1f1b_orders():
-    # the last rank: F(k), V(k), B(k). Rank r = p-1-d warms up 2d forwards, then runs V(k), F(k+d), B(k-d) a cycle
-    assert schedule_actions("1f1b", 1, 2, 4, 1, True) == [F(0), V_(0), B(0), F(1), V_(1), B(1), F(2), V_(2), B(2),
-                                                          F(3), V_(3), B(3)]
-    assert schedule_actions("1f1b", 0, 2, 4, 1, True) == [F(0), V_(0), F(1), V_(1), F(2), B(0), V_(2), F(3), B(1),
-                                                          V_(3), B(2), B(3)]
+    # the last rank: F(k), L(k), B(k). Rank r = p-1-d warms up 2d forwards, then runs L(k), F(k+d), B(k-d) a cycle
+    assert schedule_actions("1f1b", 1, 2, 4, 1, True) == [F(0), L(0), B(0), F(1), L(1), B(1), F(2), L(2), B(2),
+                                                          F(3), L(3), B(3)]
+    assert schedule_actions("1f1b", 0, 2, 4, 1, True) == [F(0), L(0), F(1), L(1), F(2), B(0), L(2), F(3), B(1),
+                                                          L(3), B(2), B(3)]
     assert schedule_actions("1f1b", 0, 4, 8, 1, True) == [
-        F(0), F(1), F(2), V_(0), F(3), V_(1), F(4), V_(2), F(5), V_(3), F(6), B(0), V_(4), F(7), B(1), V_(5), B(2),
-        V_(6), B(3), V_(7), B(4), B(5), B(6), B(7)]
-    # gpipe: V(k) in the timetable step after the last stage's F(k): the first rank is one forward ahead
-    assert schedule_actions("gpipe", 0, 2, 3, 1, True) == [F(0), F(1), V_(0), F(2), V_(1), V_(2), B(0), B(1), B(2)]
+        F(0), F(1), F(2), L(0), F(3), L(1), F(4), L(2), F(5), L(3), F(6), B(0), L(4), F(7), B(1), L(5), B(2),
+        L(6), B(3), L(7), B(4), B(5), B(6), B(7)]
+    # gpipe: L(k) in the timetable step after the last stage's F(k): the first rank is one forward ahead
+    assert schedule_actions("gpipe", 0, 2, 3, 1, True) == [F(0), F(1), L(0), F(2), L(1), L(2), B(0), B(1), B(2)]
 
 
 class Deadlock(Exception):
@@ -155,7 +156,7 @@ def script_programs(schedule, p, m, V=1, forwards_only=False, vocab_parallel=Fal
     vocab = VOCAB_COLLECTIVES[:3 if forwards_only else 4]  # evaluation: no backward, no reduce of dh
     return [[kernel for action, exchange in program
              for kernel in ([("vocab", [("vocab", None, None, (action, what))], True) for what in vocab]
-                            if action and action[0] == "V" else [])
+                            if action and action[0] == "L" else [])
              + ([("p2p", [("p2p", *op) for op in exchange], True)] if exchange else [])]
             for program in programs]
 
@@ -183,12 +184,12 @@ def test_schedules_are_deadlock_free_with_bounded_live_microbatches(p):
             lists = [schedule_actions(schedule, r, p, m, V, vp) for r in range(p)]
             for actions in lists:  # every (micro-batch, chunk) once forward, once backward, F before B
                 assert sorted(actions) == sorted([(op, i, c) for op in "FB" for i in range(m) for c in range(V)]
-                                                 + [V_(i) for i in range(m) if vp])
-                assert all(actions.index(("F", i, c)) < actions.index(("B", i, c)) for op, i, c in actions if op != "V")
+                                                 + [L(i) for i in range(m) if vp])
+                assert all(actions.index(("F", i, c)) < actions.index(("B", i, c)) for op, i, c in actions if op != "L")
                 # vocabulary passes in micro-batch order on every rank: their collectives in the same order everywhere
-                assert [i for op, i, _ in actions if op == "V"] == list(range(m)) * vp
+                assert [i for op, i, _ in actions if op == "L"] == list(range(m)) * vp
             for i in range(m if vp else 0):  # the last stage: F(i), its vocabulary pass, then B(i)
-                assert lists[-1].index(("F", i, V - 1)) < lists[-1].index(V_(i)) < lists[-1].index(("B", i, V - 1))
+                assert lists[-1].index(("F", i, V - 1)) < lists[-1].index(L(i)) < lists[-1].index(("B", i, V - 1))
             simulate(script_programs(schedule, p, m, V, vocab_parallel=vp))  # training
             simulate(script_programs(schedule, p, m, V, forwards_only=True, vocab_parallel=vp))  # evaluation
             peak = [peak_live(actions) for actions in lists]  # micro-batches between their F and B
@@ -201,14 +202,14 @@ def test_schedules_are_deadlock_free_with_bounded_live_microbatches(p):
 def test_simulator_finds_collective_deadlocks():
     # rank 0 sends its activation (a batch, waited), then joins the vocabulary pass; rank 1 joins the pass first and
     # receives after it: each waits for the other, across the two communicators
-    vocab = ("vocab", [("vocab", None, None, V_(0))], True)
+    vocab = ("vocab", [("vocab", None, None, L(0))], True)
     send, recv = ("p2p", [("p2p", 1, True, F(0))], True), ("p2p", [("p2p", 0, False, F(0))], True)
     with pytest.raises(Deadlock):
         simulate([[send, vocab], [vocab, recv]])
     simulate([[send, vocab], [recv, vocab]])
     with pytest.raises(AssertionError, match="#0"):  # collectives called in different orders
-        simulate([[vocab], [("vocab", [("vocab", None, None, V_(1))], True)]])
-    # the script's own program with the first rank's vocabulary passes moved to its start: it waits in V(0) while the
+        simulate([[vocab], [("vocab", [("vocab", None, None, L(1))], True)]])
+    # the script's own program with the first rank's vocabulary passes moved to its start: it waits in L(0) while the
     # last rank waits for F(0)
     programs = script_programs("1f1b", 2, 4, vocab_parallel=True)
     moved = [k for k in programs[0] if k[0] == "vocab"] + [k for k in programs[0] if k[0] != "vocab"]
@@ -362,7 +363,7 @@ def _pipeline_grads(rank, p, cases):
         tied = {n: q.grad for n, q in named if n in (WTE, "lm_head.weight")}
         out.append(dict(case=(schedule, m, V, vp, layers), names={n for n, _ in named}, max_diff=max_diff,
                         loss=loss.item(), ref_loss=ref_loss.item(), live=meter.live, measured_peak_bytes=meter.peak,
-                        peak=peak_live(model.actions), peak_bytes=peak_live(model.actions, lambda c: size[c]),
+                        peak=peak_live(model.actions), peak_bytes=peak_live(model.actions, size),
                         issued=issued, programs=programs[0] + programs[1], eval_loss=eval_loss.item(),
                         counts=counts, eval_counts=eval_counts, state_bytes=model_state_bytes(optimizer),
                         vocab_peak=vocab_meter.peak,
@@ -521,7 +522,8 @@ def test_vocab_parallel_checkpoint_rows_round_trip():
 SPANS = """import json, sys
 sys.path.insert(0, {repo!r})
 import pp_train
-summary = pp_train.ScheduleReport.summary
+import common.schedule_report
+summary = common.schedule_report.ScheduleReport.summary
 
 
 def dump(report):  # rank 0 writes the spans of every step, as the report read them
@@ -530,7 +532,7 @@ def dump(report):  # rank 0 writes the spans of every step, as the report read t
     return summary(report)
 
 
-pp_train.ScheduleReport.summary = dump
+common.schedule_report.ScheduleReport.summary = dump
 pp_train.main()
 pp_train.teardown()
 """
@@ -636,7 +638,7 @@ def test_vocab_parallel_end_to_end(shared_run, tmp_path):
     out = result.stdout  # the stage plan: the last stage without lm_head, the vocabulary pass on both ranks
     assert "stage 1 (rank 1): blocks 1-1, ln_f: " in out and "vocabulary pass, every rank: lm_head rows r*25152" in out
     for rank in range(2):  # the timeline draws every rank's vocabulary passes (a short F or B may show as one letter)
-        assert re.search(rf"rank {rank} \|.*V0-.*V1-.*V2-.*V3-.*\|", out), out
+        assert re.search(rf"rank {rank} \|.*L0-.*L1-.*L2-.*L3-.*\|", out), out
     reference = step_losses(shared_run("ddp_train.py", None, TINY + ["--max_iters", "3"])[0])
     assert max(abs(a - b) for a, b in zip(step_losses(tmp_path), reference)) <= 1e-5  # the parity tolerance
 

@@ -1,0 +1,49 @@
+"""PyTorch's own pipeline, for pp_train.py --implementation pytorch.
+
+torch.distributed.pipelining: a PipelineStage around each of this rank's chunks (pp_train.py's
+Stage modules) does the send/recv, and ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B
+order the forwards and backwards, in place of pp_train.py's schedule_actions, timetable and
+executor (Pipeline.run). These are the methods that differ; pp_train.py's TorchPipeline takes the
+rest (building the chunks, evaluation, the tied gradient, clipping, checkpoint state) from its
+Pipeline class."""
+import torch
+
+from common.distributed import autocast
+
+
+class TorchPipeline:
+    def __init__(self, config, args, device, state=None):
+        super().__init__(config, args, device, state)  # Pipeline's: this rank's chunks and groups
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
+        stages = []
+        for c, chunk in enumerate(self.chunks):  # chunk c of rank r: global stage c*pp_size + r
+            stages.append(PipelineStage(chunk, c * self.pp_size + self.rank, self.n_stages, device))
+        # The loss pre-scaled like Pipeline's: torch's scale_grads would also divide the .grad of
+        # earlier micro-steps.
+        self.loss_scale = 1.0 / (args.grad_accum_steps * self.M)
+        options = dict(scale_grads=False, loss_fn=self.scaled_loss)
+        if args.schedule == "interleaved":  # all of this rank's stages
+            self.schedule = ScheduleInterleaved1F1B(stages, self.M, **options)
+        elif args.schedule == "1f1b":
+            self.schedule = Schedule1F1B(stages[0], self.M, **options)
+        else:
+            self.schedule = ScheduleGPipe(stages[0], self.M, **options)
+
+    def scaled_loss(self, logits, targets):
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return loss * self.loss_scale
+
+    def forward_backward(self, x, y, sync):
+        last = self.rank == self.pp_size - 1
+        losses = []
+        inputs = [x] if self.rank == 0 else []  # token ids enter at the first stage
+        targets = dict(target=y, losses=losses) if last else {}  # the loss is the last stage's
+        with autocast(self.args, self.device):
+            self.schedule.step(*inputs, **targets)
+        if sync:
+            self.sum_tied_gradient()
+        if not last:
+            return torch.zeros((), device=self.device)
+        loss_sum = torch.stack(losses).sum().detach()
+        return loss_sum * self.args.grad_accum_steps  # the losses were scaled by 1/(A*M)
