@@ -52,7 +52,7 @@ from common.distributed import (all_gather_single, autocast, clip_grad_norm_,
                                 reduce_scatter_single, setup, setup_data, teardown, uses_cuda)
 from common.metrics import Metrics, Profiler, activations, model_state_bytes, timers
 from common.model import GPT, CausalSelfAttention, configure_optimizer, materialize_, num_params
-import peers.cp
+import peers.torch_cp
 
 
 # ---- the strategy: who holds which positions ---------------------------------------------
@@ -471,7 +471,7 @@ class ContextParallel:
         self.buckets = GradientBuckets(self.model, args.bucket_cap_mb)
 
     def sdpa_gpt(self, config):
-        """CPGPT with GPT's own SDPA attention, for PyTorch's context_parallel (peers/cp.py)."""
+        """CPGPT with GPT's own SDPA attention, for torch's context_parallel (peers/torch_cp.py)."""
         return CPGPT(config, self.args.seed, self.device)
 
     def configure_optimizer(self, args, state=None):
@@ -526,9 +526,9 @@ class ContextParallel:
                 f"{n_buckets} gradient buckets")
 
 
-class TorchCP(peers.cp.TorchCP, ContextParallel):
+class TorchCP(peers.torch_cp.TorchCP, ContextParallel):
     """--implementation pytorch: torch's context_parallel (SDPA as ring attention) and DDP in place
-    of the hand-written attention and GradientBuckets (peers/cp.py); the other methods are
+    of the hand-written attention and GradientBuckets (peers/torch_cp.py); the other methods are
     ContextParallel's."""
 
 

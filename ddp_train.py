@@ -33,7 +33,7 @@ from common.data import get_batch
 from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
 from common.metrics import Metrics, Profiler, model_state_bytes
 from common.model import GPT, configure_optimizer, num_params
-import peers.ddp
+import peers.torch_ddp
 
 
 # ---- the strategy: gradient buckets with overlapped all-reduce ---------------------------
@@ -198,9 +198,9 @@ class DDP:
         return f"{num_params(self.model) / 1e6:.2f}M params, {n_buckets} gradient buckets"
 
 
-class TorchDDP(peers.ddp.TorchDDP, DDP):
+class TorchDDP(peers.torch_ddp.TorchDDP, DDP):
     """--implementation pytorch: torch's DistributedDataParallel in place of GradientBuckets
-    (peers/ddp.py); the other methods are DDP's."""
+    (peers/torch_ddp.py); the other methods are DDP's."""
 
 
 def add_ddp_flags(group):

@@ -40,7 +40,7 @@ from common.distributed import (all_gather_single, autocast, clip_grad_norm_, di
                                 reduce_scatter_single, setup, setup_data, teardown)
 from common.metrics import Metrics, Profiler, model_state_bytes, timers
 from common.model import GPT, init_tensor
-import peers.fsdp
+import peers.torch_fsdp
 
 
 # ---- the strategy: flat-parameter units, gathered for use and sharded at rest -----------
@@ -252,9 +252,9 @@ class FSDP:
             return full[name].detach()
         compute_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
         rank = dist.get_rank()
-        self.fsdp = FullyShardedGPT(self.model, value_of, rank, dist.get_world_size(), device,
-                                    compute_dtype, args.reshard_after_forward, args.prefetch)
-        self.units = self.fsdp.units
+        self.sharded = FullyShardedGPT(self.model, value_of, rank, dist.get_world_size(), device,
+                                       compute_dtype, args.reshard_after_forward, args.prefetch)
+        self.units = self.sharded.units
         self.sharded_state = None  # --resume_sharded: this rank's own file, a dict per unit
         if args.resume_sharded:
             self.sharded_state = load_sharded(args.resume_sharded, rank, device)
@@ -279,7 +279,7 @@ class FSDP:
         with autocast(self.args, self.device):
             _, loss = self.model(x, y)
         (loss / self.args.grad_accum_steps).backward()  # each micro-step is 1/A of this rank's rows
-        self.fsdp.finish_backward()
+        self.sharded.finish_backward()
         return loss.detach().float()
 
     @torch.no_grad()
@@ -320,9 +320,9 @@ class FSDP:
                 f"shards of {[u.shard_size for u in self.units]} values")
 
 
-class TorchFSDP(peers.fsdp.TorchFSDP, FSDP):
+class TorchFSDP(peers.torch_fsdp.TorchFSDP, FSDP):
     """--implementation pytorch: torch's fully_shard (FSDP2) in place of FullyShardedGPT and
-    ShardedAdamW (peers/fsdp.py); the other methods are FSDP's."""
+    ShardedAdamW (peers/torch_fsdp.py); the other methods are FSDP's."""
 
 
 def add_fsdp_flags(group):

@@ -54,7 +54,7 @@ from common.distributed import autocast, clip_grad_norm_, setup, setup_data, tea
 from common.metrics import Metrics, Profiler, model_state_bytes, timers
 from common.model import GPT, configure_optimizer, init_tensor
 from common.schedule_report import ScheduleReport, stage_plan
-import peers.pp
+import peers.torch_pp
 
 WTE_NAME = "transformer.wte.weight"  # lm_head.weight is tied to it: the last stage holds a copy
 
@@ -497,9 +497,9 @@ class Pipeline:
                 f"estimated GFLOP a step (forward + backward):" + plan)
 
 
-class TorchPipeline(peers.pp.TorchPipeline, Pipeline):
+class TorchPipeline(peers.torch_pp.TorchPipeline, Pipeline):
     """--implementation pytorch: torch.distributed.pipelining's stages and schedules in place of the
-    send/recv executor (peers/pp.py); the other methods are Pipeline's."""
+    send/recv executor (peers/torch_pp.py); the other methods are Pipeline's."""
 
 
 def add_pp_flags(group):
@@ -523,7 +523,7 @@ def check_pp_args(args, world_size):
         die(f"--virtual_stages: only with --schedule interleaved (got --schedule {args.schedule})")
     if args.print_schedule and args.implementation != "custom":  # torch's schedules: no timeline
         die("--print_schedule: true is only supported by --implementation custom")
-    if not args.virtual_stages:
+    if args.virtual_stages is None:
         args.virtual_stages = 2 if args.schedule == "interleaved" else 1
     n_chunks = args.virtual_stages
     if n_chunks <= 0:

@@ -28,7 +28,7 @@ Run:
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv-backend=c10d \\
            --rdzv-endpoint=HOST:29500 tp_train.py --tensor_parallel_size 8 \\
            --data_parallel_size 2                       # TP inside a node, DP across nodes
-  torchrun --standalone --nproc_per_node=2 tp_train.py --implementation pytorch  # peers/tp.py
+  torchrun --standalone --nproc_per_node=2 tp_train.py --implementation pytorch  # peers/torch_tp.py
 """
 import functools
 import os
@@ -48,7 +48,7 @@ from common.distributed import all_gather_single, autocast, clip_grad_norm_, red
 from common.distributed import setup, setup_data, teardown
 from common.metrics import Metrics, Profiler, activations, held_bytes, model_state_bytes
 from common.model import GPT, configure_optimizer, init_tensor
-import peers.tp
+import peers.torch_tp
 
 
 # ---- the strategy: Megatron's conjugate operators, on the TP group -----------------------
@@ -510,9 +510,9 @@ class TensorParallel:
         return f"{grid}, {sp}, {loss}, {mib:.2f} MiB of parameters per rank"
 
 
-class TorchTP(peers.tp.TorchTP, TensorParallel):
+class TorchTP(peers.torch_tp.TorchTP, TensorParallel):
     """--implementation pytorch: DTensor's parallelize_module on the plain GPT in place of TPGPT
-    (peers/tp.py); the other methods are TensorParallel's."""
+    (peers/torch_tp.py); the other methods are TensorParallel's."""
 
 
 def add_tp_flags(group):

@@ -63,7 +63,7 @@ from common.data import get_batch
 from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
 from common.metrics import Metrics, Profiler, model_state_bytes, timers
 from common.model import GPT, configure_optimizer, init_tensor, num_params
-import peers.zero3
+import peers.torch_zero3
 
 
 # ---- stage 1: the AdamW state sharded; gradients all-reduced in ddp_train.py's buckets -----
@@ -329,9 +329,9 @@ class ZeRO1:
                 f"of {self.world_size} rank(s)")
 
 
-class TorchZeRO1(peers.zero3.TorchZeRO1, ZeRO1):
+class TorchZeRO1(peers.torch_zero3.TorchZeRO1, ZeRO1):
     """--implementation pytorch --stage 1: DDP + ZeroRedundancyOptimizer(AdamW) in place of
-    GradientBuckets and OwnedAdamW (peers/zero3.py); the other methods are ZeRO1's."""
+    GradientBuckets and OwnedAdamW (peers/torch_zero3.py); the other methods are ZeRO1's."""
 
 
 # ---- stage 2: the gradients sharded too, each reduced to its owner -------------------------
@@ -583,9 +583,9 @@ class ZeRO3(ZeRO2):
         return f"{n:.2f}M params, whole tensors owned by one of {self.world_size} rank(s)"
 
 
-class TorchZeRO3(peers.zero3.TorchZeRO3, ZeRO3):
+class TorchZeRO3(peers.torch_zero3.TorchZeRO3, ZeRO3):
     """--implementation pytorch: FSDP2 (fully_shard), each tensor sliced over the ranks, in place
-    of ParamFetcher and ReduceToOwner (peers/zero3.py); the other methods are ZeRO3's."""
+    of ParamFetcher and ReduceToOwner (peers/torch_zero3.py); the other methods are ZeRO3's."""
 
 
 STAGES = {"custom": {1: ZeRO1, 2: ZeRO2, 3: ZeRO3},

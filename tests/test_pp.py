@@ -685,6 +685,7 @@ BAD_INPUT = [
     (2, ["--schedule", "interleaved"], "--n_layer"),  # 2 layers, 2 stages x 2 virtual stages
     (2, ["--n_microbatches", "3"], "--n_microbatches"),  # 8 rows
     (None, ["--virtual_stages", "2"], "--virtual_stages"),
+    (None, ["--schedule", "interleaved", "--virtual_stages", "0"], "--virtual_stages"),  # not the default
     (None, ["--schedule", "bogus"], "--schedule"),
     (None, ["--print_schedule", "--implementation", "pytorch"], "--print_schedule: true is only supported by"),
 ]
