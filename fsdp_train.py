@@ -25,7 +25,6 @@ Run:
   torchrun --standalone --nproc_per_node=2 fsdp_train.py --resume_sharded out/fsdp/sharded
 """
 import os
-import shutil
 import time
 from functools import partial
 
@@ -33,13 +32,13 @@ import torch
 import torch.distributed as dist
 
 from common.checkpoint import checkpoint as full_checkpoint, resume as full_resume
-from common.checkpoint import config_mismatch, load, save_atomic
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
-from common.distributed import (all_gather_single, autocast, clip_grad_norm_, die_on_any,
+from common.distributed import (all_gather_single, autocast, clip_grad_norm_,
                                 reduce_scatter_single, setup, setup_data, teardown)
 from common.metrics import Metrics, Profiler, model_state_bytes, timers
 from common.model import GPT, init_tensor
+from common.sharded_checkpoint import load_sharded, resume_sharded, save_sharded
 import peers.torch_fsdp
 
 
@@ -430,103 +429,28 @@ def main(argv=None):
     metrics.close()
 
 
-# ---- the sharded checkpoint: a file per rank beside the full one -------------------------
+# ---- checkpoints: the full one, and with --sharded_checkpoint this rank's shards beside it ------
 
 def checkpoint(step, model, optimizer, config, args):
-    """common's full checkpoint (ckpt.pt: gathered, portable). --sharded_checkpoint also writes,
-    with no tensor communication, a checkpoint for the same world size only, under out_dir/sharded/:
-      step_<N>/rank<r>.pt  rank r's shards and AdamW state ("units"), stamped with the save's
-                           header: step, world_size, every GPTConfig field, folder, save (an id)
-      manifest.pt          the header of the published save, written last (an atomic rename) by
-                           rank 0 once every rank's file is on disk
-    Each save goes to a new folder, so a save that dies midway leaves the previous one published;
-    the older folders are removed once the new one is published."""
+    """common's full checkpoint (ckpt.pt: gathered, portable); --sharded_checkpoint also writes each
+    rank's flat shards and their AdamW state, with no communication, to out_dir/sharded/
+    (common/sharded_checkpoint.py: a file per rank, for a run at the same world size)."""
     full_checkpoint(step, model, optimizer, config, args)
     if not args.sharded_checkpoint:
         return
-    root = os.path.join(args.out_dir, "sharded")
-    rank = dist.get_rank()
-    headers = [None]  # rank 0's, broadcast
-    if rank == 0:  # the folder for every rank: never the published one (then step_<N>_b)
-        manifest, _ = load_file(os.path.join(root, "manifest.pt"))
-        folder = f"step_{step}"
-        if manifest is not None and manifest.get("folder") == folder:
-            folder += "_b"
-        shutil.rmtree(os.path.join(root, folder), ignore_errors=True)  # a dead save's leftovers
-        headers[0] = dict(step=step, world_size=dist.get_world_size(), **config.__dict__,
-                         folder=folder, save=time.time_ns())
-    dist.broadcast_object_list(headers, src=0)
-    header = headers[0]
     units = []
     for u in model.units:
         adamw_state = optimizer.state.get(u.local_shard, {})
         units.append({"local_shard": u.local_shard.detach(), **adamw_state})
-    save_atomic(dict(header, units=units), os.path.join(root, header["folder"], f"rank{rank}.pt"))
-    dist.barrier()  # every rank's file is written and fsync'd before the manifest publishes it
-    if rank == 0:
-        save_atomic(header, os.path.join(root, "manifest.pt"))
-        for old in os.listdir(root):
-            if old.startswith("step_") and old != header["folder"]:
-                shutil.rmtree(os.path.join(root, old))
-
-
-def load_file(path):
-    """(what torch saved at path, None), or (None, why not: missing, truncated, not torch's)."""
-    saved, e = load(path)
-    return saved, e and f"{path} cannot be read ({type(e).__name__})"
-
-
-def load_sharded(path, rank, device):
-    """This rank's units [{local_shard, AdamW state}] from the save the manifest at path names."""
-    manifest, _ = load_file(os.path.join(path, "manifest.pt"))
-    file = os.path.join(path, manifest["folder"], f"rank{rank}.pt")
-    return torch.load(file, map_location=device, weights_only=True)["units"]
-
-
-def check_sharded(args, rank, world_size):
-    """None if this rank can resume from the sharded checkpoint at args.resume_sharded, else the
-    error line: the manifest must fit this run's world size and model flags, and this rank's file
-    the manifest."""
-    path = args.resume_sharded
-    flag = "--resume_sharded:"
-    manifest, error = load_file(os.path.join(path, "manifest.pt"))
-    if error:
-        return f"{flag} {error}"
-    if not isinstance(manifest, dict) or "folder" not in manifest:
-        return f"{flag} {path}/manifest.pt is not a sharded checkpoint manifest"
-    if manifest["world_size"] != world_size:
-        saved_by = manifest["world_size"]
-        return f"{flag} {path} was written by {saved_by} ranks, this run has {world_size}"
-    mismatch = config_mismatch(manifest, args)  # every GPTConfig field but dropout, as --resume
-    if mismatch is not None:
-        key, saved, value = mismatch
-        return f"{flag} {path} was saved with {key}={saved}, this run has --{key} {value}"
-    if manifest["step"] > args.max_iters:
-        return f"{flag} {path} is at step {manifest['step']}, past --max_iters {args.max_iters}"
-    file = os.path.join(path, manifest["folder"], f"rank{rank}.pt")
-    saved, error = load_file(file)
-    if error:
-        return f"{flag} {error}"
-    if not isinstance(saved, dict):
-        return f"{flag} {file} is not a sharded checkpoint file"
-    for key, value in manifest.items():  # a file of another save (a mixed set): step or save differ
-        if saved.get(key) != value:
-            return (f"{flag} {file} is not of the save that {path}/manifest.pt publishes "
-                    f"({key} {saved.get(key)}, not {value})")
-    return None
+    save_sharded(step, units, config, args)
 
 
 def resume(args):
-    """common's resume; with --resume_sharded, the sharded checkpoint's step (FSDP loads the rest),
-    once every rank has checked its own file: the verdicts are gathered, so a bad one ends all
-    ranks with one line."""
+    """common's resume; with --resume_sharded, the sharded checkpoint's step (FSDP loads the rest
+    from this rank's file in its __init__)."""
     ckpt = full_resume(args)
     if args.resume_sharded:
-        die_on_any(check_sharded(args, dist.get_rank(), dist.get_world_size()))
-        manifest, _ = load_file(os.path.join(args.resume_sharded, "manifest.pt"))
-        if ckpt is None:  # no full checkpoint: model and optimizer come from the sharded files
-            ckpt = dict(model=None, optimizer=None)
-        ckpt = dict(ckpt, step=manifest["step"])
+        ckpt = resume_sharded(args, ckpt)
     return ckpt
 
 

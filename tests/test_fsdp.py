@@ -18,7 +18,7 @@ from common.data import get_batch
 from common.distributed import all_gather_single, clip_grad_norm_, reduce_scatter_single, torch_name
 from common.metrics import held_bytes
 from common.model import GPT, GPTConfig, init_tensor
-import fsdp_train
+import common.sharded_checkpoint
 from fsdp_train import FSDP, FlatParamUnit, FullyShardedGPT, add_fsdp_flags, checkpoint, resume
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
@@ -367,7 +367,7 @@ class Killed(Exception):
     """A rank dying at a chosen point of a save (raised and caught, so the other rank does not hang)."""
 
 
-SAVE_ATOMIC = fsdp_train.save_atomic
+SAVE_ATOMIC = common.sharded_checkpoint.save_atomic
 
 
 def _dies_before_the_manifest(obj, path):
@@ -400,13 +400,13 @@ def _sharded_round_trip(rank, world_size, path):
     checkpoint(1, strategy, optimizer, CONFIG, args)  # ckpt.pt, and sharded/ beside it
     one_step(strategy, optimizer)
     # the save of step 2 dies once every rank's file is written, just before rank 0 publishes it
-    fsdp_train.save_atomic = _dies_before_the_manifest
+    common.sharded_checkpoint.save_atomic = _dies_before_the_manifest
     try:
         checkpoint(2, strategy, optimizer, CONFIG, args)
     except Killed:
         pass
     finally:
-        fsdp_train.save_atomic = SAVE_ATOMIC
+        common.sharded_checkpoint.save_atomic = SAVE_ATOMIC
     dist.barrier()
     after_crash = sorted(os.listdir(os.path.join(path, "sharded")))
     step, fresh, fresh_optimizer = resumed()  # the published step-1 save, not the dead step-2 one
