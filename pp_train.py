@@ -605,8 +605,8 @@ def main(argv=None):
         out = {}
         for split in ("train", "val"):
             total = torch.zeros((), device=device)
-            for k in range(args.eval_iters):
-                x, y = get_batch(split, k, B, T, args.seed + 1, args.dataset)
+            for i in range(args.eval_iters):
+                x, y = get_batch(split, i, B, T, args.seed + 1, args.dataset)
                 x, y = x[mine].to(device), y[mine].to(device)
                 total += model.eval_loss(x, y)
             dist.broadcast(total, src=world_size - 1)  # 4 bytes from the last stage to every rank
