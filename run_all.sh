@@ -117,6 +117,18 @@ else
       run "zero3-stage1-pytorch-r$r" "$NPROC" zero3_train.py $FLAGS --stage 1 --implementation pytorch
       run "zero3-stage2-custom-r$r" "$NPROC" zero3_train.py $FLAGS --stage 2
     fi
+    # DDP where the gradient all-reduce is a large part of the step: global batch 8 at block 128, and
+    # 4 micro-steps of accumulation; each against one process on all cores at the same config
+    # (runs named <strategy>@<config>: common.report compares them with limit@<config>).
+    if has ddp; then
+      for config in "b8t128:--batch_size 8 --block_size 128" "accum4:--grad_accum_steps 4"; do
+        tag=${config%%:*}
+        run "limit@$tag-1proc-r$r" 1 ddp_train.py $FLAGS ${config#*:}
+        for impl in custom pytorch; do
+          run "ddp@$tag-$impl-r$r" "$NPROC" ddp_train.py $FLAGS ${config#*:} --implementation $impl
+        done
+      done
+    fi
     if has pp; then
       run "pp-1f1b-m8-custom-r$r" "$NPROC" pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8
       run "pp-1f1b-m8-vocab-custom-r$r" "$NPROC" pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8 --vocab_parallel

@@ -137,14 +137,16 @@ def bench(runs_dir):
         return (f"{of_medians:.3f} (paired by round: median {paired_median:.3f}, "
                 f"per round {paired_text})")
 
-    limit = medians.get(("limit", "1proc"))
     for (strategy, implementation), tps in sorted(medians.items()):
         if implementation == "custom" and (strategy, "pytorch") in medians:
             custom_vs_pytorch = ratio((strategy, implementation), (strategy, "pytorch"))
             print(f"{strategy}: custom/pytorch tokens/s = {custom_vs_pytorch}")
-        if limit and strategy not in ("limit",):
+        # the one-process run at the same config: limit for the default, limit@<tag> for x@<tag>
+        config = strategy.partition("@")[2]
+        limit = ("limit@" + config if config else "limit", "1proc")
+        if limit in medians and strategy.partition("@")[0] != "limit":
             print(f"{strategy} {implementation}: tokens/s vs one process on all cores = "
-                  f"{tps / limit:.3f}")
+                  f"{ratio((strategy, implementation), limit)}")
     for a, b in COMPARE:
         if a in medians and b in medians:
             print(f"{'-'.join(a)} / {'-'.join(b)} tokens/s = {ratio(a, b)}")

@@ -55,6 +55,21 @@ def test_bench_ratios_use_the_median_of_alternating_rounds(tmp_path, capsys):
     assert "3/5" in out  # model state MiB per rank
 
 
+def test_bench_compares_a_config_with_its_own_one_process_run(tmp_path, capsys):
+    for r in (1, 2, 3):  # ddp@b8t128 (batch 8, block 128) against limit@b8t128, not the default's limit
+        fake_run(tmp_path, f"limit-1proc-r{r}", [1.0], tokens_per_sec=400)
+        fake_run(tmp_path, f"limit@b8t128-1proc-r{r}", [1.0], tokens_per_sec=200)
+        fake_run(tmp_path, f"ddp@b8t128-custom-r{r}", [1.0], tokens_per_sec=190 + r)
+        fake_run(tmp_path, f"ddp@b8t128-pytorch-r{r}", [1.0], tokens_per_sec=200)
+    assert report.bench(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "ddp@b8t128 custom: tokens/s vs one process on all cores = 0.960 (paired by round: median " \
+           "0.960, per round 0.955 0.960 0.965)" in out
+    assert "ddp@b8t128 pytorch: tokens/s vs one process on all cores = 1.000" in out
+    assert "ddp@b8t128: custom/pytorch tokens/s = 0.960" in out
+    assert "limit@b8t128 1proc: tokens/s vs" not in out
+
+
 def test_bench_prints_the_ratios_of_the_variants(tmp_path, capsys):
     for r, (stage1, peer, ddp) in enumerate([(90, 100, 100), (120, 100, 100), (99, 90, 110)], 1):
         fake_run(tmp_path, f"zero3-stage1-custom-r{r}", [1.0], tokens_per_sec=stage1)
