@@ -453,6 +453,17 @@ class TensorParallel:
         if len(self.grid) > 1:
             all_reduce_grads(grads, self.dp_group, op=dist.ReduceOp.AVG)
 
+    def rank_ordered(self, name, full):
+        """For TorchTP: c_attn's [q; k; v] rows in rank order [q_0; k_0; v_0; q_1; ...] (every
+        rank's shard(), stacked), so that DTensor's contiguous chunks hold whole heads."""
+        if "c_attn" not in name:
+            return full
+        return torch.cat([shard(name, full, r, self.tp_size) for r in range(self.tp_size)])
+
+    def head_ordered(self, name, full):
+        """The inverse of rank_ordered(): unshard() of the stacked shards."""
+        return unshard(name, full.chunk(self.tp_size))
+
     def use_local_heads(self, model, tp_rank):
         """For TorchTP's plain GPT: its attentions run TPAttention.forward on this rank's
         n_head/tp_size heads, and with SP its dropouts draw from the rank's own stream, as in

@@ -142,9 +142,9 @@ def bench(runs_dir):
             custom_vs_pytorch = ratio((strategy, implementation), (strategy, "pytorch"))
             print(f"{strategy}: custom/pytorch tokens/s = {custom_vs_pytorch}")
         # the one-process run at the same config: limit for the default, limit@<tag> for x@<tag>
-        config = strategy.partition("@")[2]
+        base, _, config = strategy.partition("@")
         limit = ("limit@" + config if config else "limit", "1proc")
-        if limit in medians and strategy.partition("@")[0] != "limit":
+        if limit in medians and base != "limit":
             print(f"{strategy} {implementation}: tokens/s vs one process on all cores = "
                   f"{ratio((strategy, implementation), limit)}")
     for a, b in COMPARE:

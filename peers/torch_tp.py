@@ -23,30 +23,10 @@ from common.metrics import activations
 from common.model import GPT
 
 
-def rank_ordered(name, full, tp_size):
-    """ColwiseParallel splits the outputs in tp_size contiguous chunks, so c_attn's [q; k; v] rows
-    are put in rank order [q_0; k_0; v_0; q_1; ...] (tp_train.shard()'s slices, stacked): whole
-    heads per chunk. head_ordered() undoes it."""
-    if "c_attn" not in name:
-        return full
-    qkv = full.unflatten(0, (3, tp_size, -1))  # (3, tp, C/tp, ...): q, k, v by rank
-    return qkv.transpose(0, 1).flatten(0, 2)  # (tp, 3, C/tp, ...) -> (3C, ...)
-
-
-def head_ordered(full, tp_size):
-    """c_attn's rank-ordered rows back to [q; k; v] (tp_train.unshard())."""
-    by_rank = full.unflatten(0, (tp_size, 3, -1))  # (tp, 3, C/tp, ...)
-    return by_rank.transpose(0, 1).flatten(0, 2)  # (3, tp, C/tp, ...) -> (3C, ...)
-
-
 def parallelize_torch(model, tp_mesh, sequence_parallel, loss_parallel):
-    """The GPT made tensor-parallel in place: c_attn rank-ordered (above), every linear and
-    embedding placed by a DTensor plan."""
+    """The GPT made tensor-parallel in place: every linear and embedding placed by a DTensor plan
+    (c_attn's rows already rank-ordered: TensorParallel.rank_ordered)."""
     seq = Shard(1) if sequence_parallel else Replicate()  # the activations between the linears
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "c_attn" in name:
-                p.copy_(rank_ordered(name, p, tp_mesh.size()))
     col = ColwiseParallel(input_layouts=seq)
     row = RowwiseParallel(output_layouts=seq)
     logits_layout = Shard(-1) if loss_parallel else Replicate()
@@ -108,6 +88,10 @@ class TorchTP:
         if state is not None:
             self.model.load_state_dict(state)
         self.use_local_heads(self.model, mesh["tp"].get_local_rank())
+        with torch.no_grad():  # ColwiseParallel's contiguous chunks: whole heads per rank
+            for name, p in self.model.named_parameters():
+                if "c_attn" in name:
+                    p.copy_(self.rank_ordered(name, p))
         parallelize_torch(self.model, mesh["tp"], args.sequence_parallel, args.loss_parallel)
 
     def local_piece(self, name, p, full):
@@ -115,7 +99,7 @@ class TorchTP:
         communication)."""
         if not isinstance(p, DTensor):
             return torch.empty_like(p).copy_(full)
-        full = rank_ordered(name, full, self.tp_size).to(self.device, copy=True)
+        full = self.rank_ordered(name, full).to(self.device, copy=True)
         return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
 
     def forward_backward(self, x, y, sync):
@@ -157,5 +141,5 @@ class TorchTP:
         if isinstance(t, DTensor):  # full_tensor() all-gathers; c_attn's rows are put back in order
             t = t.full_tensor()
             if "c_attn" in name:
-                t = head_ordered(t, self.tp_size)
+                t = self.head_ordered(name, t)
         return t.cpu()
