@@ -58,7 +58,8 @@ class Bucket:
 
 
 class GradientBuckets:
-    """Averages gradients over the ranks of `group` during backward.
+    """Sums gradients over the ranks of `group` during backward: their mean, when each rank has
+    divided its loss by the number of ranks before backward.
 
     Call `finish_backward()` after every backward. Set `require_sync = False` BEFORE the forward of
     a micro-step that should only accumulate locally (gradient accumulation; DDP's no_sync): those
@@ -106,10 +107,12 @@ class GradientBuckets:
 
     def _all_reduce(self, bucket):
         # Sends the whole bucket (numel x 4 bytes in fp32) to every other rank and receives theirs,
-        # summing and dividing by N: afterwards every rank holds the mean gradient. Async: backward
-        # keeps computing earlier layers while it is on the wire.
-        bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.AVG, group=self.group,
-                                      async_op=True)
+        # summed: each rank's gradients are already g/N (its loss was divided by N), so afterwards
+        # every rank holds the mean gradient. A SUM, not ReduceOp.AVG: gloo's AVG divides after the
+        # sum, one more pass over the bucket on the step's critical path for the last one (the
+        # tied wte's 25.7 MB; ~1% of a step here). Async: backward keeps computing earlier layers
+        # while it is on the wire.
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         self.next += 1
 
     def finish_backward(self):
@@ -171,7 +174,12 @@ class DDP:
         self.buckets.require_sync = sync
         with autocast(self.args, self.device):
             _, loss = self.model(x, y)
-        (loss / self.args.grad_accum_steps).backward()  # each micro-step is 1/A of this rank's rows
+        # Each micro-step is 1/A of this rank's rows and each rank 1/N of the batch: with the
+        # loss divided by A*N, backward writes g/(A*N) and the buckets' plain sum over the ranks
+        # is the mean, with no pass over the gradients to divide them (torch DDP and Megatron
+        # divide each bucket before its all-reduce). N a power of 2: the same bits as after the sum.
+        N = dist.get_world_size(self.buckets.group)  # the ranks the buckets sum over
+        (loss / (self.args.grad_accum_steps * N)).backward()
         self.buckets.finish_backward()
         return loss.detach().float()
 

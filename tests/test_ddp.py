@@ -28,7 +28,7 @@ def _train_custom(model, buckets, x, y, accum):
     for j in range(accum):
         buckets.require_sync = j == accum - 1  # set before the forward, as in ddp_train.py
         _, loss = model(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro])
-        (loss / accum).backward()
+        (loss / (accum * dist.get_world_size())).backward()  # as ddp_train.py: the buckets sum g/N
         buckets.finish_backward()
 
 
@@ -75,7 +75,7 @@ def _rebuilt_in_ready_order(rank, world_size):
         p.register_post_accumulate_grad_hook(lambda p: ready.append(names[p]))
     x, y = _rows(rank, world_size)
     _, loss = model(x, y)
-    loss.backward()
+    (loss / world_size).backward()
     if rank == 1:  # another autograd order on one rank: every rank must still build rank 0's buckets
         buckets.ready_order.reverse()
     buckets.finish_backward()
@@ -180,7 +180,7 @@ def _unused_parameter(rank, world_size):
     model = TwoHeads()
     buckets = GradientBuckets(model, bucket_cap_mb=1e-5)  # one bucket per tensor
     x = torch.full((2, 4), float(rank + 1))
-    model(x).backward()
+    (model(x) / world_size).backward()
     buckets.finish_backward()  # must not hang on the buckets whose gradients never arrive
     return model.used.weight.grad.clone(), model.unused.weight.grad.clone()
 
