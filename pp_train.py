@@ -258,9 +258,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
         logits = logits.float()
-        max_logit = logits.max(dim=-1).values
+        max_logit = logits.amax(dim=-1)
         dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)  # N numbers, for stability
-        exp = (logits - max_logit.unsqueeze(-1)).exp()
+        # One (N, vocab/p) tensor, worked on in place: exp, softmax, then (backward) the gradient
+        exp = (logits - max_logit.unsqueeze(-1)).exp_()
         local = targets - vocab_start
         mine = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank owns
         local = local.clamp(0, logits.size(-1) - 1)
@@ -268,14 +269,15 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = torch.where(mine, picked - max_logit, 0.0)
         sums = torch.stack([exp.sum(dim=-1), target_logit])
         dist.all_reduce(sums, group=group)  # 2N numbers: sums of exp, the targets' logits
-        ctx.save_for_backward(exp / sums[0].unsqueeze(-1), local, mine)
+        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local, mine)  # the softmax
         return sums[0].log() - sums[1]
 
     @staticmethod
     def backward(ctx, grad):
         softmax, local, mine = ctx.saved_tensors
-        grad_logits = softmax.scatter_add(-1, local.unsqueeze(-1), -mine.float().unsqueeze(-1))
-        return grad_logits * grad.unsqueeze(-1), None, None, None
+        # in place, as Megatron's: the saved softmax becomes the gradient (backward runs once)
+        grad_logits = softmax.scatter_add_(-1, local.unsqueeze(-1), -mine.float().unsqueeze(-1))
+        return grad_logits.mul_(grad.unsqueeze(-1)), None, None, None
 
 
 def vocab_pass(h, targets, head, vocab_start, last, group, scale, cast):

@@ -8,7 +8,8 @@ of the (B, T, C) activation joins each pair: 2 per block in forward ("g" after a
 mlp.c_proj), 2 in backward ("f" before c_attn and c_fc), each about 2(tp_size-1)/tp_size x 4BTC
 bytes sent per rank. The embedding is split by vocabulary (masked lookup + g); lm_head is tied to
 it, so the logits come out split by vocabulary, and --loss_parallel computes the cross-entropy from
-three all-reduces of B*T numbers (max, sum of exp, target logit) without gathering the logits.
+two all-reduces of B*T and 2*B*T numbers (max; sum of exp, target logit) without gathering the
+logits.
   memory per rank: about 16P/tp_size bytes (fp32 param + grad + AdamW state of this rank's shards,
                    plus the small replicated LayerNorms, row-parallel biases and wpe)
 --sequence_parallel: between the linears (LayerNorms, dropout, residual) the activations are split
@@ -47,6 +48,7 @@ from common.data import get_batch
 from common.distributed import all_gather_single, autocast, clip_grad_norm_, reduce_scatter_single
 from common.distributed import setup, setup_data, teardown
 from common.metrics import Metrics, Profiler, activations, held_bytes, model_state_bytes
+from common.metrics import timers
 from common.model import GPT, configure_optimizer, init_tensor
 import peers.torch_tp
 
@@ -81,16 +83,18 @@ class CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp):
         ctx.tp = tp
-        if tp.sp:
+        if not tp.sp:
+            return x
+        with timers("exposed_comm"):  # every wait of the plain path is exposed
             return all_gather(x, tp.group, dim=1)  # (B, T/tp, C) -> (B, T, C)
-        return x
     @staticmethod
     def backward(ctx, grad):
-        if ctx.tp.sp:
-            return reduce_scatter_seq(grad, ctx.tp.group), None
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.tp.group)  # B*T*C numbers: the partial input grads summed
-        return grad, None
+        with timers("exposed_comm"):
+            if ctx.tp.sp:
+                return reduce_scatter_seq(grad, ctx.tp.group), None
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.tp.group)  # B*T*C numbers: the partial input grads
+            return grad, None
 
 
 class ReduceFromTP(torch.autograd.Function):
@@ -100,16 +104,18 @@ class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp):
         ctx.tp = tp
-        if tp.sp:
-            return reduce_scatter_seq(x, tp.group)  # (B, T, C) -> (B, T/tp, C)
-        x = x.contiguous()
-        dist.all_reduce(x, group=tp.group)  # B*T*C numbers: the sum of the tp partial outputs
-        return x
+        with timers("exposed_comm"):
+            if tp.sp:
+                return reduce_scatter_seq(x, tp.group)  # (B, T, C) -> (B, T/tp, C)
+            x = x.contiguous()
+            dist.all_reduce(x, group=tp.group)  # B*T*C numbers: the sum of the tp partial outputs
+            return x
     @staticmethod
     def backward(ctx, grad):
-        if ctx.tp.sp:
+        if not ctx.tp.sp:
+            return grad, None
+        with timers("exposed_comm"):
             return all_gather(grad, ctx.tp.group, dim=1), None
-        return grad, None
 
 
 class GatherFromVocab(torch.autograd.Function):
@@ -128,30 +134,33 @@ class GatherFromVocab(torch.autograd.Function):
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy from (N, V/tp) logit slices:
         loss = log(sum_v exp(z_v - m)) - (z_t - m),  m the global max,
-    from three all-reduces of N numbers (max, sum of exp, target logit, which lives on one rank
-    only). Backward needs no communication: d loss / d z = softmax - onehot(t)."""
+    from two all-reduces: the max (N numbers), then the sums of exp and the target logits, which
+    live on one rank each (2N numbers). Backward needs no communication:
+    d loss / d z = softmax - onehot(t)."""
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
         logits = logits.float()  # (N, V/tp)
-        m = logits.max(dim=-1).values  # (N,)
+        m = logits.amax(dim=-1)  # (N,)
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # N numbers: the global max
-        exp = (logits - m.unsqueeze(-1)).exp()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)  # N numbers: sum of exp over the whole vocabulary
+        # One (N, V/tp) tensor, worked on in place: exp, then softmax, then (backward) gradient.
+        # Each pass over it reads and writes 4N*V/tp bytes, the most of any op in the step.
+        softmax = (logits - m.unsqueeze(-1)).exp_()
         local = targets - vocab_start
         mine = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank owns
         local = local.clamp(0, logits.size(-1) - 1)
         picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1)  # (N,): z_t where mine
-        target_logit = torch.where(mine, picked - m, 0.0)
-        dist.all_reduce(target_logit, group=group)  # N numbers: each target logit, from its owner
-        softmax = exp / sum_exp.unsqueeze(-1)
+        sums = torch.stack([softmax.sum(dim=-1), torch.where(mine, picked - m, 0.0)])  # (2, N)
+        dist.all_reduce(sums, group=group)  # 2N numbers: sums of exp; each target logit
+        sum_exp, target_logit = sums
+        softmax.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local, mine)
         return sum_exp.log() - target_logit
     @staticmethod
     def backward(ctx, grad):
         softmax, local, mine = ctx.saved_tensors
-        grad_logits = softmax.scatter_add(-1, local.unsqueeze(-1), -mine.float().unsqueeze(-1))
-        return grad_logits * grad.unsqueeze(-1), None, None, None
+        # in place, as Megatron's: the saved softmax becomes the gradient (backward runs once)
+        grad_logits = softmax.scatter_add_(-1, local.unsqueeze(-1), -mine.float().unsqueeze(-1))
+        return grad_logits.mul_(grad.unsqueeze(-1)), None, None, None
 
 
 def all_reduce_grads(grads, group, op=dist.ReduceOp.SUM):
@@ -161,6 +170,155 @@ def all_reduce_grads(grads, group, op=dist.ReduceOp.SUM):
     sizes = [grad.numel() for grad in grads]
     for grad, flat_grad in zip(grads, flat.split(sizes)):
         grad.copy_(flat_grad.view_as(grad))
+
+
+# ---- the strategy: --tp_overlap, the collectives under the matmuls --------------------------
+# gloo moves a message on its own thread (NCCL on its own stream), so the main thread can multiply
+# meanwhile. Megatron's --tp-comm-overlap and torchtitan's async TP split each collective and its
+# matmul into pieces: piece k travels while piece k+1 is multiplied. Here f and g are each fused
+# with their matmul into one autograd Function, so that the pieces can interleave: the same
+# numbers sent, the same sums in another order.
+
+OVERLAP_CHUNKS = 4  # without SP: pieces of the row-parallel output's all-reduce
+
+
+def wait(works):
+    with timers("exposed_comm"):  # the transfer time the matmuls did not hide
+        for work in works:
+            work.wait()
+
+
+def ring_pass(x, tp):
+    """Sends x to the next TP rank and receives the previous rank's, asynchronously: one
+    batch_isend_irecv, as under NCCL a send may wait for its receive."""
+    received = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x, tp.next, tp.group),
+           dist.P2POp(dist.irecv, received, tp.prev, tp.group)]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def ring_all_gather(x, tp, compute):
+    """With SP: compute(shard) for every rank's sequence shard of x, each while the next travels
+    round the ring (tp - 1 passes of x.numel() numbers: an all-gather's bytes). Returns the
+    results and the shards, each concatenated in rank order along dim 1."""
+    shards, results = [None] * tp.size, [None] * tp.size
+    s = tp.rank  # the shard in hand: first its own, then rank - 1's, rank - 2's, ...
+    for i in range(tp.size):
+        if i < tp.size - 1:
+            received, works = ring_pass(x, tp)  # the shard in hand goes on to rank + 1...
+        shards[s], results[s] = x, compute(x)  # ...while it is multiplied here
+        if i < tp.size - 1:
+            wait(works)
+            x, s = received, (s - 1) % tp.size
+    return torch.cat(results, dim=1), torch.cat(shards, dim=1)
+
+
+def ring_reduce_scatter(term, tp):
+    """With SP: this rank's sequence shard of the sum over ranks of term(s), a rank's term of
+    shard s. At pass i rank r computes its term of shard (r - i - 1) % tp while the sum before
+    travels, adds the sum received from rank r - 1 and sends it on; after tp - 1 passes (a
+    reduce-scatter's bytes) its own shard's sum arrives, and its own term is the last added."""
+    works = None
+    for i in range(tp.size):
+        partial = term((tp.rank - i - 1) % tp.size)  # multiplied while the last pass travels
+        if works is not None:
+            wait(works)
+            partial = partial + received  # the sum of the ranks before, for the same shard
+        if i < tp.size - 1:
+            sent = partial  # kept alive until its send completes
+            received, works = ring_pass(sent, tp)
+    return partial
+
+
+def autocast_inputs(*tensors):
+    """The tensors in the dtype autocast would multiply them in: a Function's backward runs
+    outside autocast, so forward casts what it saves (None stays None)."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return [t if t is None else t.to(dtype) for t in tensors]
+
+
+class OverlappedColumnParallel(torch.autograd.Function):
+    """--tp_overlap: y = f(x) W_r^T + b_r in one Function.
+    forward:  with SP the all-gather of x is the ring, each shard multiplied while the next
+              travels; without SP nothing is sent.
+    backward: dx = dy W_r is partial on each rank. With SP its reduce-scatter is the ring, each
+              shard's dx computed while the sum before travels; without SP its all-reduce starts
+              at once and travels while dW = dy^T x is computed (Megatron's async all-reduce)."""
+    @staticmethod
+    def forward(ctx, x, weight, bias, tp):
+        ctx.tp, ctx.dtypes, ctx.has_bias = tp, (x.dtype, weight.dtype), bias is not None
+        x, weight, bias = autocast_inputs(x, weight, bias)
+        if tp.sp:  # (B, T/tp, in) shards -> y (B, T, out/tp), and x (B, T, in)
+            y, x = ring_all_gather(x, tp, lambda shard: F.linear(shard, weight, bias))
+        else:
+            y = F.linear(x, weight, bias)
+        ctx.save_for_backward(x, weight)  # x whole, as the plain path's F.linear saves it
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors  # (B, T, in), (out/tp, in)
+        tp, dy = ctx.tp, dy.to(weight.dtype)
+        if tp.sp:  # (B, T/tp, in)
+            dx = ring_reduce_scatter(lambda s: dy.chunk(tp.size, dim=1)[s] @ weight, tp)
+            works = []
+        else:  # (B, T, in)
+            dx = dy @ weight
+            works = [dist.all_reduce(dx, group=tp.group, async_op=True)]  # B*T*in numbers
+        dW = dy.flatten(0, 1).t() @ x.flatten(0, 1)  # computed while dx's all-reduce travels
+        db = dy.sum((0, 1)) if ctx.has_bias else None
+        wait(works)
+        return dx.to(ctx.dtypes[0]), dW.to(ctx.dtypes[1]), db, None
+
+
+class OverlappedRowParallel(torch.autograd.Function):
+    """--tp_overlap: g(x_r W_r^T) in one Function (the bias is added after).
+    forward:  with SP the reduce-scatter is the ring, each shard's term multiplied while the sum
+              before travels; without SP the rows are multiplied in OVERLAP_CHUNKS pieces, each
+              piece's all-reduce travelling while the next is multiplied: only the last waits.
+    backward: with SP the all-gather of dy is the ring, each shard's dx computed while the next
+              shard travels; without SP nothing is sent."""
+    @staticmethod
+    def forward(ctx, x, weight, tp):
+        ctx.tp, ctx.dtypes = tp, (x.dtype, weight.dtype)
+        x, weight = autocast_inputs(x, weight)
+        ctx.save_for_backward(x, weight)
+        if tp.sp:  # (B, T, in/tp) -> (B, T/tp, out)
+            return ring_reduce_scatter(lambda s: F.linear(x.chunk(tp.size, dim=1)[s], weight), tp)
+        pieces, works = [], []
+        for rows in x.flatten(0, 1).chunk(OVERLAP_CHUNKS):  # (B*T/chunks, in/tp) each
+            pieces.append(F.linear(rows, weight))  # multiplied while the piece before travels
+            works.append(dist.all_reduce(pieces[-1], group=tp.group, async_op=True))
+        wait(works)
+        return torch.cat(pieces).view(x.shape[0], x.shape[1], -1)  # (B, T, out)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors  # (B, T, in/tp), (out, in/tp)
+        tp, dy = ctx.tp, dy.to(weight.dtype)
+        if tp.sp:  # (B, T/tp, out) shards -> dx (B, T, in/tp), and dy (B, T, out)
+            dx, dy = ring_all_gather(dy.contiguous(), tp, lambda dy_shard: dy_shard @ weight)
+        else:
+            dx = dy @ weight
+        dW = dy.flatten(0, 1).t() @ x.flatten(0, 1)
+        return dx.to(ctx.dtypes[0]), dW.to(ctx.dtypes[1]), None
+
+
+def column_parallel(x, weight, bias, tp):
+    """f(x) W^T + b; with --tp_overlap, one Function whose collectives run under its matmuls."""
+    if tp.overlap:
+        return OverlappedColumnParallel.apply(x, weight, bias, tp)
+    return F.linear(CopyToTP.apply(x, tp), weight, bias)
+
+
+def row_parallel(x, weight, tp):
+    """g(x W^T); with --tp_overlap, one Function whose collectives run under its matmuls."""
+    if tp.overlap:
+        return OverlappedRowParallel.apply(x, weight, tp)
+    return ReduceFromTP.apply(F.linear(x, weight), tp)
 
 
 # ---- the strategy: the model, built from shards ------------------------------------------
@@ -197,12 +355,16 @@ def unshard(name, shards):
 
 
 class TPGroup:
-    """The tensor-parallel group: its size, this rank's place in it, and whether SP is on."""
-    def __init__(self, group, sequence_parallel):
+    """The tensor-parallel group: its size, this rank's place in it and its ring neighbours (global
+    ranks), whether SP is on, and whether the collectives overlap the matmuls (--tp_overlap)."""
+    def __init__(self, group, sequence_parallel, overlap=False):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
         self.sp = sequence_parallel
+        self.overlap = overlap
 
 
 # ---- the strategy: dropout's two random streams, as in Megatron -----------------------------
@@ -266,9 +428,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features))
         self.bias = nn.Parameter(torch.empty(out_features // tp.size)) if bias else None
 
-    def forward(self, x):
-        x = CopyToTP.apply(x, self.tp)  # f: (B, T, in_features), whole
-        return F.linear(x, self.weight, self.bias)  # (B, T, out_features/tp)
+    def forward(self, x):  # f: x (B, T, in_features) whole, then the matmul: (B, T, out/tp)
+        return column_parallel(x, self.weight, self.bias, self.tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -281,8 +442,8 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x):
-        partial = F.linear(x, self.weight)  # (B, T, out_features): this rank's term of the sum
-        out = ReduceFromTP.apply(partial, self.tp)  # g: the sum; (B, T/tp, out_features) with SP
+        # this rank's (B, T, out_features) term of the sum, summed by g: (B, T/tp, out) with SP
+        out = row_parallel(x, self.weight, self.tp)
         return out + self.bias if self.bias is not None else out
 
 
@@ -372,8 +533,8 @@ class TPGPT(GPT):
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
-        x = CopyToTP.apply(x, self.tp)  # (B, T, C)
-        logits = F.linear(x, self.transformer.wte.weight)  # lm_head tied to wte: (B, T, V/tp)
+        # f and lm_head, tied to wte: (B, T, C), or (B, T/tp, C) with SP -> (B, T, V/tp)
+        logits = column_parallel(x, self.transformer.wte.weight, None, self.tp)
         if targets is None:
             return logits, None
         if self.loss_parallel:
@@ -401,7 +562,7 @@ class TensorParallel:
         self.tp_group, _ = dist.new_subgroups_by_enumeration(self.grid.tolist())
         self.dp_group, _ = dist.new_subgroups_by_enumeration(self.grid.t().tolist())
         self.share_rng(resumed=state is not None)
-        tp = TPGroup(self.tp_group, args.sequence_parallel)
+        tp = TPGroup(self.tp_group, args.sequence_parallel, args.tp_overlap)
         self.model = TPGPT(tp, config, args.seed, device, args.loss_parallel, state)
 
     def share_rng(self, resumed):
@@ -535,6 +696,8 @@ def add_tp_flags(group):
              "split LayerNorm/dropout/residual activations by sequence")
     add_bool(group, "--loss_parallel", True,
              "vocab-parallel cross-entropy; false: gather the logits")
+    add_bool(group, "--tp_overlap", False,
+             "split the activations' collectives into pieces that travel under the matmuls")
 
 
 def check_tp_args(args, world_size):
@@ -556,6 +719,9 @@ def check_tp_args(args, world_size):
     if tp_size and args.sequence_parallel and args.block_size % tp_size:
         die(f"--block_size: sequence length {args.block_size} must be divisible by "
             f"--tensor_parallel_size ({tp_size}) with --sequence_parallel")
+    if args.tp_overlap and args.implementation == "pytorch":
+        die("--tp_overlap: custom only; torch's async TP needs torch.compile and CUDA's symmetric "
+            "memory")
     if tp_size * D != world_size or tp_size == 0:
         die(f"--tensor_parallel_size: {tp_size} x --data_parallel_size {D} must equal the world "
             f"size ({world_size})")

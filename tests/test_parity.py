@@ -24,6 +24,9 @@ from common.model import GPT, GPTConfig
 STEPS = PARITY_STEPS
 FLAGS = PARITY + ["--max_iters", str(STEPS)]  # TINY, lr 1e-3 -> 1e-4, 5 warmup steps, seed 1337 (conftest)
 TOL = 1e-5  # fp32 on CPU; the largest |dloss| measured here is printed by each row
+# tp --tp_overlap against plain tp, relative to the loss: the same sums in another order, so the last bits
+# differ (a loss near 10 has a float32 spacing of 9.5e-7; the most measured at 4 ranks is 2 of them)
+OVERLAP_TOL = 1e-6
 
 # One row per (script, implementation, ranks, extra flags). Later strategies add their rows here.
 # Extra flags in MODEL_FLAGS also go to the reference and the plain loop (see below).
@@ -66,6 +69,13 @@ STRATEGIES = [
     ("tp_train.py", "pytorch", 2, ["--sequence_parallel", "--loss_parallel", "false"]),
     ("tp_train.py", "custom", 4, ["--tensor_parallel_size", "2", "--sequence_parallel", "--grad_accum_steps", "2"]),
     ("tp_train.py", "pytorch", 4, ["--tensor_parallel_size", "2", "--sequence_parallel", "--grad_accum_steps", "2"]),
+    # tp at 4 (the ring of 4), and --tp_overlap at 2 and 4 ranks, SP off and on: each overlap row also equals
+    # its row without --tp_overlap within OVERLAP_TOL (test_tp_overlap_equals_plain_tp)
+    ("tp_train.py", "custom", 4, ["--tensor_parallel_size", "4"]),
+    ("tp_train.py", "custom", 4, ["--tensor_parallel_size", "4", "--sequence_parallel"]),
+    *[("tp_train.py", "custom", nproc, extra + ["--tp_overlap"]) for nproc, extra in (
+        (2, []), (2, ["--sequence_parallel", "--loss_parallel", "false"]),
+        (4, ["--tensor_parallel_size", "4"]), (4, ["--tensor_parallel_size", "4", "--sequence_parallel"]))],
     # fsdp: 4 ranks with n_embd 25 pad every unit (blocks 7825 values: 3 pad, root 1258450: 2 pad)
     ("fsdp_train.py", "custom", 2, []),
     ("fsdp_train.py", "pytorch", 2, []),
@@ -89,6 +99,7 @@ AS_USERS_TORCH = {
     ("zero3_train.py", "pytorch", 2, ("--stage", "1", "--grad_accum_steps", "2")),  # inside ZeroRedundancyOptimizer
     ("zero3_train.py", "custom", 2, ("--stage", "2")),
     ("tp_train.py", "custom", 2, ()),
+    ("tp_train.py", "custom", 2, ("--tp_overlap",)),  # as its plain row, which it is compared with
     ("tp_train.py", "pytorch", 2, ()),  # without SP its LayerNorms and wpe were plain tensors: foreach refused them
     ("tp_train.py", "pytorch", 2, ("--sequence_parallel", "--loss_parallel", "false")),
     ("tp_train.py", "pytorch", 4, ("--tensor_parallel_size", "2", "--sequence_parallel", "--grad_accum_steps", "2")),
@@ -191,3 +202,19 @@ def test_parity(script, implementation, nproc, extra, references, shared_run):
            {"max_abs_dloss_vs_reference": vs_reference, "max_abs_dloss_vs_plain": vs_plain})
     assert vs_reference <= TOL, (losses, reference)
     assert vs_plain <= TOL, (losses, plain)
+
+
+@pytest.mark.parametrize("nproc,extra", [(nproc, extra) for script, _, nproc, extra in STRATEGIES
+                                         if script == "tp_train.py" and "--tp_overlap" in extra])
+def test_tp_overlap_equals_plain_tp(nproc, extra, shared_run):
+    """--tp_overlap sends the same numbers in pieces and adds the pieces in another order: its losses equal
+    tp_train.py's without it (both runs are parity rows above, shared)."""
+    flags = FLAGS + ["--implementation", "custom"]
+    plain = [flag for flag in extra if flag != "--tp_overlap"]
+    as_user = [("tp_train.py", "custom", nproc, tuple(x)) in AS_USERS_TORCH for x in (extra, plain)]
+    overlapped = step_losses(shared_run("tp_train.py", nproc, flags + extra, as_user[0])[0])
+    reference = step_losses(shared_run("tp_train.py", nproc, flags + plain, as_user[1])[0])
+    delta = max(abs(a - b) / abs(b) for a, b in zip(overlapped, reference))
+    record(f"tp-overlap-{nproc}r{''.join(plain)} vs plain", {"max_rel_dloss": delta})
+    assert len(overlapped) == len(reference) == STEPS
+    assert delta <= OVERLAP_TOL, (overlapped, reference)

@@ -33,12 +33,13 @@ def _max_diff(pairs):
 
 
 def _layers_equal_unsharded(rank, world_size):
-    return {sp: _layers_equal_unsharded_sp(sp) for sp in (False, True)}
+    return {(sp, overlap): _layers_equal_unsharded_sp(sp, overlap) for sp in (False, True) for overlap in (False, True)}
 
 
-def _layers_equal_unsharded_sp(sp):
-    """Each parallel layer vs its unsharded counterpart on the same input and output gradient."""
-    tp = TPGroup(dist.group.WORLD, sp)
+def _layers_equal_unsharded_sp(sp, overlap=False):
+    """Each parallel layer vs its unsharded counterpart on the same input and output gradient (overlap: the
+    --tp_overlap Functions, whose collectives travel in pieces under the matmuls)."""
+    tp = TPGroup(dist.group.WORLD, sp, overlap)
     torch.manual_seed(0)  # the same full tensors on every rank
     diffs = {}
 
@@ -112,6 +113,7 @@ def unit():
 
 def test_each_parallel_layer_equals_the_unsharded_layer(unit):
     for by_sp in (r["layers"] for r in unit):
+        assert len(by_sp) == 4  # SP off and on, --tp_overlap off and on
         for sp, diffs in by_sp.items():
             assert len(diffs) == 5
             for layer, diff in diffs.items():
@@ -124,7 +126,7 @@ def _model_equals_reference(rank, world_size):
 
 def _strategy(sp):
     """tp_train's TensorParallel on the 2 ranks (TP=2, D=1), as main() builds it."""
-    args = SimpleNamespace(tensor_parallel_size=2, sequence_parallel=sp, loss_parallel=True, seed=0,
+    args = SimpleNamespace(tensor_parallel_size=2, sequence_parallel=sp, loss_parallel=True, tp_overlap=False, seed=0,
                            grad_accum_steps=1, dtype="float32")
     return TensorParallel(CONFIG, args, torch.device("cpu"))
 
@@ -225,13 +227,13 @@ def test_megatron_communication_per_block(counts):
 
 def test_megatron_communication_whole_model(counts):
     L = CONFIG.n_layer
-    # + the embedding's g, the three loss all-reduces (max, sum exp, target logit) in forward; the f
+    # + the embedding's g, the two loss all-reduces (max; sums of exp and target logits) in forward; the f
     # in front of lm_head in backward. Never a (B, T, V) collective: the logits are not gathered.
     fwd, bwd, sizes = counts[False, True]
-    assert fwd["all_reduce"] == 2 * L + 1 + 3 and bwd["all_reduce"] == 2 * L + 1
-    assert max(sizes) == B * T * C
+    assert fwd["all_reduce"] == 2 * L + 1 + 2 and bwd["all_reduce"] == 2 * L + 1
+    assert max(sizes) == B * T * C and 2 * B * T in sizes
     fwd, bwd, sizes = counts[True, True]
-    assert fwd == {"all_reduce": 3, "all_gather_single": 2 * L + 1, "reduce_scatter_single": 2 * L + 1}
+    assert fwd == {"all_reduce": 2, "all_gather_single": 2 * L + 1, "reduce_scatter_single": 2 * L + 1}
     assert bwd == {"all_reduce": 0, "all_gather_single": 2 * L + 1, "reduce_scatter_single": 2 * L + 1}
 
 
@@ -316,6 +318,7 @@ BAD_INPUT = [
     (2, ["--sequence_parallel", "--block_size", "31"], "--block_size"),
     (2, ["--tensor_parallel_size", "3"], "--tensor_parallel_size"),
     (4, ["--tensor_parallel_size", "2", "--batch_size", "6", "--grad_accum_steps", "2"], "--batch_size"),
+    (2, ["--tp_overlap", "--implementation", "pytorch"], "--tp_overlap"),
 ]
 
 
@@ -347,7 +350,7 @@ def _dropout_streams(rank, world_size):
     sdpa, result = F.scaled_dot_product_attention, {}
     for impl in ("custom", "pytorch"):
         for sp in (False, True):
-            args = SimpleNamespace(tensor_parallel_size=2, sequence_parallel=sp, loss_parallel=True, seed=0,
+            args = SimpleNamespace(tensor_parallel_size=2, sequence_parallel=sp, loss_parallel=True, tp_overlap=False, seed=0,
                                    grad_accum_steps=1, dtype="float32")
             torch.manual_seed(100 + rank)  # unequal, as resume() leaves them from a checkpoint of another world size
             strategy = (TensorParallel if impl == "custom" else TorchTP)(config, args, torch.device("cpu"),
