@@ -190,6 +190,15 @@ def step_losses(out_dir):
 # The parity config (tests/test_parity.py), shared with the resume tests so that they can reuse its runs.
 PARITY_STEPS = 15
 PARITY = TINY + ["--learning_rate", "1e-3", "--min_lr", "1e-4", "--warmup_iters", "5", "--seed", "1337"]
+CUT = 6  # the step tests/test_reliability.py's resumes start from
+
+
+def cut_args(implementation):
+    """The 2-rank run of CUT steps at the parity config that the resume and cross-strategy tests continue
+    from its checkpoint. --lr_decay_iters pins the schedule, so it is a prefix of the PARITY_STEPS run.
+    --profile: tests/test_profile.py reads its traces (one launch for both; profiling changes no number)."""
+    return PARITY + ["--lr_decay_iters", str(PARITY_STEPS), "--implementation", implementation,
+                     "--max_iters", str(CUT), "--profile"]
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, launch
+from conftest import REPO, cut_args
 
 SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py"]
 
@@ -22,10 +22,9 @@ def trace_events(path):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_profile_trace_shows_communication_and_compute(script, tmp_path):
-    result = launch(script, 2, TINY + ["--max_iters", "5", "--profile", "--out_dir", str(tmp_path)], torchrun=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    traces = sorted(glob.glob(os.path.join(tmp_path, "profile", "*.pt.trace.json")))
+def test_profile_trace_shows_communication_and_compute(script, shared_run):
+    out_dir, _ = shared_run(script, 2, cut_args("custom"))  # the 6-step run the resume tests continue
+    traces = sorted(glob.glob(os.path.join(out_dir, "profile", "*.pt.trace.json")))
     assert [os.path.basename(t).split(".")[0] for t in traces] == ["rank0", "rank1"]
     for trace in traces:
         events = trace_events(trace)

@@ -22,15 +22,15 @@ import time
 import pytest
 import torch
 
-from conftest import (PARITY, PARITY_STEPS, REPO, free_port, launch, peer_needs, read_metrics, step_losses,
-                      the_one_error)
+from conftest import (CUT, PARITY, PARITY_STEPS, REPO, cut_args, free_port, launch, peer_needs, read_metrics,
+                      step_losses, the_one_error)
 
 SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py"]
 TORCH_ON_CPU = SCRIPTS[:5]  # cp's PyTorch implementation needs CUDA SDPA kernels (tests/test_cp.py)
 # The parity config (so that the uninterrupted runs and the reference are test_parity.py's own runs,
 # shared through the shared_run fixture). --lr_decay_iters pins the schedule, so a run with fewer
 # --max_iters is a prefix of the longer one.
-STEPS, CUT = PARITY_STEPS, 6
+STEPS = PARITY_STEPS
 FLAGS = PARITY + ["--lr_decay_iters", str(STEPS)]
 TOL = 1e-5  # the parity tolerance (tests/test_parity.py)
 
@@ -60,7 +60,7 @@ def reference(shared_run):
 def cut_run(shared_run, script, implementation, out):
     """Copies into `out` the run of CUT steps of this script at 2 ranks (one run per session, shared by the
     resume and cross-strategy tests): its checkpoint at step CUT and the metrics of steps 0..CUT-1."""
-    source, _ = shared_run(script, 2, FLAGS + ["--implementation", implementation, "--max_iters", str(CUT)])
+    source, _ = shared_run(script, 2, cut_args(implementation))
     shutil.copytree(source, out, dirs_exist_ok=True)
     assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == CUT
 
