@@ -129,6 +129,15 @@ else
         done
       done
     fi
+    # TP with sequence parallelism, custom and DTensor, and --tp_overlap with and without SP: each vs
+    # one process (limit) and vs plain TP in the same rounds.
+    if has tp; then
+      for impl in custom pytorch; do
+        run "tp-sp-$impl-r$r" "$NPROC" tp_train.py $FLAGS --sequence_parallel --implementation $impl
+      done
+      run "tp-overlap-custom-r$r" "$NPROC" tp_train.py $FLAGS --tp_overlap
+      run "tp-sp-overlap-custom-r$r" "$NPROC" tp_train.py $FLAGS --sequence_parallel --tp_overlap
+    fi
     if has pp; then
       run "pp-1f1b-m8-custom-r$r" "$NPROC" pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8
       run "pp-1f1b-m8-vocab-custom-r$r" "$NPROC" pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8 --vocab_parallel
@@ -136,9 +145,10 @@ else
   done
   # Each strategy's own claims, one run each (runs/bench-extra): FSDP's exposed communication with
   # prefetch on and off; ZeRO-3's broadcast/reduce waits per rank (wte kept or not, prefetch off);
-  # TP with SP and 2D at 4 ranks; the pipeline bubble, compute per stage and activation memory per
-  # schedule and micro-batch count; CP's modes at a block of 1024 (where attention matters) against one
-  # process on every core, ring with and without zigzag, and the saved activations of one process.
+  # TP 2D at 4 ranks, and TP's exposed communication with and without --tp_overlap; the pipeline
+  # bubble, compute per stage and activation memory per schedule and micro-batch count; CP's modes at
+  # a block of 1024 (where attention matters) against one process on every core, ring with and
+  # without zigzag, and the saved activations of one process.
   RUNS=runs/bench-extra && rm -rf "$RUNS" && mkdir -p "$RUNS"
   extra() { has "${3%_train.py}" && run "$@"; }
   extra fsdp-custom-prefetch "$NPROC" fsdp_train.py $FLAGS --prefetch true
@@ -147,8 +157,17 @@ else
   extra zero3-custom-noreuse "$NPROC" zero3_train.py $FLAGS --max_reuse_distance 0
   extra zero3-custom-noprefetch "$NPROC" zero3_train.py $FLAGS --prefetch false
   for impl in custom pytorch; do
-    extra tp-$impl-sp "$NPROC" tp_train.py $FLAGS --implementation $impl --sequence_parallel
     extra tp-$impl-2d-dp2-tp2-sp 4 tp_train.py $FLAGS --implementation $impl --tensor_parallel_size 2 --sequence_parallel
+  done
+  # TP's exposed communication (the waits on its collectives) with and without --tp_overlap, SP off
+  # and on, on the small preset and 4x wider
+  for wide in "" "--n_embd 512 --n_head 8 --max_iters 12 --warmup_iters 2"; do
+    for sp in false true; do
+      for overlap in false true; do
+        extra "tp-custom-sp-$sp-overlap-$overlap${wide:+-c512}" "$NPROC" tp_train.py $FLAGS $wide \
+          --sequence_parallel $sp --tp_overlap $overlap
+      done
+    done
   done
   for schedule in gpipe 1f1b; do
     for m in 2 4 8; do
