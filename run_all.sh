@@ -149,7 +149,8 @@ else
   # bubble, compute per stage and activation memory per schedule and micro-batch count; CP's modes at
   # a block of 1024 (where attention matters) against one process on every core, ring with and
   # without zigzag, and the saved activations of one process.
-  RUNS=runs/bench-extra && rm -rf "$RUNS" && mkdir -p "$RUNS"
+  RUNS=runs/bench-extra
+  [ "$DRY" = 1 ] || { rm -rf "$RUNS" && mkdir -p "$RUNS"; }  # --dry-run touches no run
   extra() { has "${3%_train.py}" && run "$@"; }
   extra fsdp-custom-prefetch "$NPROC" fsdp_train.py $FLAGS --prefetch true
   extra fsdp-custom-noprefetch "$NPROC" fsdp_train.py $FLAGS --prefetch false
