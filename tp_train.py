@@ -16,6 +16,12 @@ logits.
 along the sequence too, 1/tp_size of their memory: each all-reduce becomes a reduce-scatter (after
 row-parallel) and an all-gather (before column-parallel), the same bytes. The replicated parameters
 then get partial gradients, summed over the TP group after backward.
+--tp_overlap: each f and g is fused with its matmul and sent in pieces that travel while the next
+piece is multiplied (Megatron's --tp-comm-overlap): with SP the all-gather and the reduce-scatter
+become tp_size - 1 ring passes between neighbours; without SP the row-parallel all-reduce goes in
+OVERLAP_CHUNKS pieces, and backward's input-gradient all-reduce travels under the weight gradient.
+It needs a free engine to move the bytes (a GPU's copy engines and NIC): on a CPU whose cores all
+compute, it measured no faster (README), so it is off by default.
 2D: tp_size x D (--data_parallel_size) = N ranks in a D x tp_size grid (row = TP group of
 consecutive ranks, column = DP group); each DP group splits the batch and averages its gradients
 after backward.
@@ -24,6 +30,7 @@ Run:
   python tp_train.py                                    # single process: the reference
   torchrun --standalone --nproc_per_node=2 tp_train.py  # TP=2 (2 GPUs, or 2 CPU processes)
   torchrun --standalone --nproc_per_node=2 tp_train.py --sequence_parallel
+  torchrun --standalone --nproc_per_node=2 tp_train.py --sequence_parallel --tp_overlap
   torchrun --standalone --nproc_per_node=4 tp_train.py --tensor_parallel_size 2 \\
            --data_parallel_size 2                       # 2D: 2 (DP) x 2 (TP)
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv-backend=c10d \\

@@ -7,6 +7,7 @@
                                               # over alternating rounds, custom/pytorch ratios,
                                               # and ratios to the 1-process limit
   python -m common.report extra RUNS_DIR      # one row per run, strategy-specific summary keys
+  python -m common.report markdown RUNS_DIR   # the bench's tables in Markdown, for the README
 Run folders are named <strategy>-<implementation>[-r<round>]; each holds metrics.jsonl, exit_code
 and device (where it ran, e.g. "cpu x2").
 """
@@ -99,13 +100,25 @@ COMPARE = [
 ]
 
 
-def bench(runs_dir):
-    rounds = {}  # (strategy, implementation) -> {round: run}
+def bench_rounds(runs_dir):
+    """{(strategy, implementation): {round: run}} from the folders <strategy>-<impl>-r<round>."""
+    rounds = {}
     for name in sorted(os.listdir(runs_dir)):
         if os.path.isdir(os.path.join(runs_dir, name)):
             strategy, implementation, r = name.rsplit("-", 2)
             by_round = rounds.setdefault((strategy, implementation), {})
             by_round[int(r.lstrip("r"))] = load(os.path.join(runs_dir, name))
+    return rounds
+
+
+def limit_of(strategy):
+    """The one-process run at the same config: limit for the default, limit@<tag> for x@<tag>."""
+    config = strategy.partition("@")[2]
+    return ("limit@" + config if config else "limit", "1proc")
+
+
+def bench(runs_dir):
+    rounds = bench_rounds(runs_dir)  # (strategy, implementation) -> {round: run}
     medians = {}
     per_rounds = {}  # (strategy, implementation) -> {round: tokens/s}
     failed = []
@@ -144,10 +157,8 @@ def bench(runs_dir):
         if implementation == "custom" and (strategy, "pytorch") in medians:
             custom_vs_pytorch = ratio((strategy, implementation), (strategy, "pytorch"))
             print(f"{strategy}: custom/pytorch tokens/s = {custom_vs_pytorch}")
-        # the one-process run at the same config: limit for the default, limit@<tag> for x@<tag>
-        base, _, config = strategy.partition("@")
-        limit = ("limit@" + config if config else "limit", "1proc")
-        if limit in medians and base != "limit":
+        limit = limit_of(strategy)
+        if limit in medians and not strategy.startswith("limit"):
             print(f"{strategy} {implementation}: tokens/s vs one process on all cores = "
                   f"{ratio((strategy, implementation), limit)}")
     for a, b in COMPARE:
@@ -156,6 +167,36 @@ def bench(runs_dir):
     if failed:
         print("FAILED: " + ", ".join(failed))
         return 1
+    return 0
+
+
+def markdown(runs_dir):
+    """The README's performance tables from a bench's runs: median tokens/s over the rounds, and
+    each ratio as the median of the per-round ratios, with their range (min-max)."""
+    tps = {key: {r: run["summary"]["tokens_per_sec"] for r, run in by_round.items() if run["ok"]}
+           for key, by_round in bench_rounds(runs_dir).items()}
+
+    def cell(a, b):
+        if not tps.get(a) or not tps.get(b):
+            return "-"
+        paired = [tps[a][r] / tps[b][r] for r in sorted(tps[a]) if r in tps[b]]
+        return f"{statistics.median(paired):.2f} ({min(paired):.2f}-{max(paired):.2f})"
+
+    print("| run | impl | tokens/s | vs one process | custom vs pytorch |")
+    print("|---|---|---:|---|---|")
+    for (strategy, implementation), by_round in sorted(tps.items()):
+        median = f"{statistics.median(by_round.values()):,.0f}" if by_round else "FAILED"
+        vs_pytorch = cell((strategy, "custom"), (strategy, "pytorch"))
+        vs_pytorch = vs_pytorch if implementation == "custom" else ""
+        vs_limit = "" if strategy.startswith("limit") else cell((strategy, implementation),
+                                                                limit_of(strategy))
+        print(f"| {strategy} | {implementation} | {median} | {vs_limit} | {vs_pytorch} |")
+    print()
+    print("| run | against | tokens/s ratio |")
+    print("|---|---|---|")
+    for a, b in COMPARE:
+        if tps.get(a) and tps.get(b):
+            print(f"| {'-'.join(a)} | {'-'.join(b)} | {cell(a, b)} |")
     return 0
 
 
@@ -208,5 +249,6 @@ def extra(runs_dir):
 if __name__ == "__main__":
     mode, runs_dir = sys.argv[1], sys.argv[2]
     smoke_gpu = functools.partial(smoke, tol=GPU_BF16_TOL)
-    modes = {"smoke": smoke, "smoke-gpu": smoke_gpu, "bench": bench, "extra": extra}
+    modes = {"smoke": smoke, "smoke-gpu": smoke_gpu, "bench": bench, "extra": extra,
+             "markdown": markdown}
     sys.exit(modes[mode](runs_dir))

@@ -70,6 +70,22 @@ def test_bench_compares_a_config_with_its_own_one_process_run(tmp_path, capsys):
     assert "limit@b8t128 1proc: tokens/s vs" not in out
 
 
+def test_markdown_tables_give_each_ratio_as_the_median_of_the_rounds_with_their_range(tmp_path, capsys):
+    for r, (custom, pytorch, limit, overlap) in enumerate([(90, 100, 100, 99), (120, 100, 100, 60), (99, 90, 110, 99)], 1):
+        fake_run(tmp_path, f"tp-custom-r{r}", [1.0], tokens_per_sec=custom)
+        fake_run(tmp_path, f"tp-pytorch-r{r}", [1.0], tokens_per_sec=pytorch)
+        fake_run(tmp_path, f"limit-1proc-r{r}", [1.0], tokens_per_sec=limit)
+        fake_run(tmp_path, f"tp-overlap-custom-r{r}", [1.0], tokens_per_sec=overlap)
+    assert report.markdown(str(tmp_path)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # custom/limit per round 0.9, 1.2, 0.9; custom/pytorch 0.9, 1.2, 1.1; overlap/custom 1.1, 0.5, 1.0
+    assert "| tp | custom | 99 | 0.90 (0.90-1.20) | 1.10 (0.90-1.20) |" in lines
+    assert "| tp | pytorch | 100 | 1.00 (0.82-1.00) |  |" in lines
+    assert "| limit | 1proc | 100 |  |  |" in lines
+    assert "| tp-overlap-custom | tp-custom | 1.00 (0.50-1.10) |" in lines
+    assert not any(line.startswith("| zero3") for line in lines)  # variants without runs: no row
+
+
 def test_bench_prints_the_ratios_of_the_variants(tmp_path, capsys):
     for r, (stage1, peer, ddp) in enumerate([(90, 100, 100), (120, 100, 100), (99, 90, 110)], 1):
         fake_run(tmp_path, f"zero3-stage1-custom-r{r}", [1.0], tokens_per_sec=stage1)

@@ -16,7 +16,7 @@ from common.data import get_batch
 from common.distributed import torch_name
 from common.model import GPT, GPTConfig
 from common.metrics import SavedActivations
-from tp_train import (TPGroup, ColumnParallelLinear, RowParallelLinear, TPGPT, TensorParallel, VocabParallelCrossEntropy,
+from tp_train import (OVERLAP_CHUNKS, TPGroup, ColumnParallelLinear, RowParallelLinear, TPGPT, TensorParallel, VocabParallelCrossEntropy,
                       VocabParallelEmbedding, all_reduce_grads, shard, shard_dim, unshard)
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)
@@ -167,17 +167,22 @@ COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single")
 
 
 def _count_all(rank, world_size):
-    return {(sp, whole): _count_collectives(sp, whole) for sp in (False, True) for whole in (False, True)}
+    counts = {(sp, whole): _count_collectives(sp, whole) for sp in (False, True) for whole in (False, True)}
+    return counts | {(sp, "overlap"): _count_collectives(sp, False, overlap=True) for sp in (False, True)}
 
 
-def _count_collectives(sp, whole_model):
-    """Calls of each collective (and their sizes) in one forward and one backward."""
-    tp = TPGroup(dist.group.WORLD, sp)
-    calls, originals = [], {name: getattr(dist, torch_name(name)) for name in COLLECTIVES}
+def _count_collectives(sp, whole_model, overlap=False):
+    """Calls of each collective (and their sizes; for batch_isend_irecv, each isend's) in one forward and one
+    backward."""
+    tp = TPGroup(dist.group.WORLD, sp, overlap)
+    calls, originals = [], {name: getattr(dist, torch_name(name)) for name in COLLECTIVES + ("batch_isend_irecv",)}
 
     def counting(name):
         def collective(tensor, *args, **kwargs):
-            calls.append((name, tensor.numel()))
+            if name == "batch_isend_irecv":  # tensor: the list of P2POps
+                calls.extend(("isend", op.tensor.numel()) for op in tensor if op.op is dist.isend)
+            else:
+                calls.append((name, tensor.numel()))
             return originals[name](tensor, *args, **kwargs)
         return collective
 
@@ -189,7 +194,7 @@ def _count_collectives(sp, whole_model):
         module = TPGPT(tp, CONFIG, seed=0, device="cpu").transformer.h[0]
         x = torch.randn(B, T // tp.size if sp else T, C, requires_grad=True)
         run = lambda: module(x).square().sum()
-    for name in COLLECTIVES:
+    for name in originals:
         setattr(dist, torch_name(name), counting(name))
     try:
         out = run()
@@ -203,6 +208,8 @@ def _count_collectives(sp, whole_model):
 
     def count(phase):
         return {name: sum(1 for n, _ in phase if n == name) for name in COLLECTIVES}
+    if overlap:  # every call, with its size
+        return forward, backward
     return count(forward), count(backward), sorted(set(n for _, n in forward + backward))
 
 
@@ -223,6 +230,18 @@ def test_megatron_communication_per_block(counts):
     assert fwd == {"all_reduce": 0, "all_gather_single": 2, "reduce_scatter_single": 2}
     assert bwd == {"all_reduce": 0, "all_gather_single": 2, "reduce_scatter_single": 2}
     assert sizes == [B * T * C // 2, B * T * C]  # shard in, whole out (or the reverse)
+
+
+def test_tp_overlap_sends_the_same_numbers_in_pieces(counts):
+    # without SP: g's all-reduce after each row-parallel matmul in OVERLAP_CHUNKS pieces (forward); f's after
+    # each column-parallel one whole (backward, under the weight gradient)
+    forward, backward = counts[False, "overlap"]
+    assert forward == 2 * OVERLAP_CHUNKS * [("all_reduce", B * T * C // OVERLAP_CHUNKS)]
+    assert backward == 2 * [("all_reduce", B * T * C)]
+    # with SP, 2 ranks: each all-gather and reduce-scatter is one ring pass of a sequence shard, what each
+    # rank sends in the collective it replaces; nothing else
+    forward, backward = counts[True, "overlap"]
+    assert forward == backward == 4 * [("isend", B * T * C // 2)]
 
 
 def test_megatron_communication_whole_model(counts):
