@@ -276,7 +276,7 @@ class OverlappedColumnParallel(torch.autograd.Function):
             dx = dy @ weight
             works = [dist.all_reduce(dx, group=tp.group, async_op=True)]  # B*T*in numbers
         dW = dy.flatten(0, 1).t() @ x.flatten(0, 1)  # computed while dx's all-reduce travels
-        db = dy.sum((0, 1)) if ctx.has_bias else None
+        db = dy.sum((0, 1)).to(ctx.dtypes[1]) if ctx.has_bias else None
         wait(works)
         return dx.to(ctx.dtypes[0]), dW.to(ctx.dtypes[1]), db, None
 

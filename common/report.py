@@ -111,6 +111,11 @@ def bench_rounds(runs_dir):
     return rounds
 
 
+def paired_ratios(a, b):
+    """a's tokens/s over b's, round by round ({round: tokens/s} each), for the rounds both have."""
+    return [a[r] / b[r] for r in sorted(a) if r in b]
+
+
 def limit_of(strategy):
     """The one-process run at the same config: limit for the default, limit@<tag> for x@<tag>."""
     config = strategy.partition("@")[2]
@@ -145,8 +150,7 @@ def bench(runs_dir):
         """The ratio of the medians, and the median of the per-round ratios: the two runs of a
         round ran minutes apart, so a machine that is slower for a while slows both, and their
         ratio keeps."""
-        both = [r for r in sorted(per_rounds[a]) if r in per_rounds[b]]
-        paired = [per_rounds[a][r] / per_rounds[b][r] for r in both]
+        paired = paired_ratios(per_rounds[a], per_rounds[b])
         of_medians = medians[a] / medians[b]
         paired_median = statistics.median(paired)
         paired_text = " ".join(f"{q:.3f}" for q in paired)
@@ -179,7 +183,7 @@ def markdown(runs_dir):
     def cell(a, b):
         if not tps.get(a) or not tps.get(b):
             return "-"
-        paired = [tps[a][r] / tps[b][r] for r in sorted(tps[a]) if r in tps[b]]
+        paired = paired_ratios(tps[a], tps[b])
         return f"{statistics.median(paired):.2f} ({min(paired):.2f}-{max(paired):.2f})"
 
     print("| run | impl | tokens/s | vs one process | custom vs pytorch |")
