@@ -100,6 +100,11 @@ def parse_args(strategy, add_flags=None, argv=None):
                    help="auto: cuda + nccl when a GPU is present, else cpu + gloo")
     r.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="compute dtype (bfloat16: autocast; parameters and optimizer stay fp32)")
+    add_bool(r, "--tf32", True, "on CUDA, fp32 matmuls and convolutions in TF32 (nanoGPT's "
+             "default, several times faster on A100/H100); no effect on CPU")
+    add_bool(r, "--deterministic", False, "deterministic kernels: torch.use_deterministic_"
+             "algorithms, cuBLAS's fixed workspace and, on CUDA, SDPA's math backend; on CUDA, "
+             "bit-identical reruns and resumes need it")
     r.add_argument("--eval_interval", type=int, default=50,
                    help="evaluate every N steps and at the end; 0: never")
     r.add_argument("--eval_iters", type=int, default=10, help="batches per evaluation")

@@ -86,6 +86,7 @@ def setup(args):
             n_threads = max(1, len(os.sched_getaffinity(0)) // local_world)
         torch.set_num_threads(n_threads)
         keep_freed_memory()
+    set_numerics(args, use_cuda)
     # Seeds only what is random at run time (dropout): weights come from init_tensor, batches from
     # get_batch. Each rank gets its own stream: ranks drop different units of their different rows.
     torch.manual_seed(args.seed + rank)
@@ -110,6 +111,30 @@ def setup(args):
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     return rank, world_size, device
+
+
+def set_numerics(args, use_cuda):
+    """--tf32 and --deterministic, before the first kernel runs.
+
+    TF32 (CUDA only): fp32 matmuls and convolutions round their inputs to a 10-bit mantissa and
+    accumulate in fp32, as nanoGPT sets it; off, an fp32 run on an A100/H100 is several times slower.
+    Deterministic: CPU kernels here are already run to run identical, CUDA's are not all. cuBLAS
+    needs a fixed workspace (read when its handle is made, at the first matmul: so set before),
+    torch's deterministic mode refuses or replaces the kernels that add with atomics, and SDPA's
+    flash, memory-efficient and cuDNN backwards do (dQ/dK/dV summed by atomics in any order): the
+    math backend, plain matmuls and softmax, is the one left on."""
+    if use_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32
+        torch.backends.cudnn.allow_tf32 = args.tf32
+    if not args.deterministic:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the user's own value wins
+    torch.use_deterministic_algorithms(True)
+    if use_cuda:
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def keep_freed_memory():

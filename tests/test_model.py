@@ -107,3 +107,46 @@ def test_lr_schedule():
     assert get_lr(55, args) == pytest.approx(1e-4 + 0.5 * 9e-4)
     args.decay_lr = False
     assert get_lr(0, args) == get_lr(99, args) == 1e-3
+
+
+@pytest.fixture
+def numerics(monkeypatch):
+    """Runs set_numerics and restores torch's global switches afterwards (they outlive a test)."""
+    from common.distributed import set_numerics
+    backends = torch.backends
+    saved = (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, backends.cudnn.benchmark,
+             backends.cuda.flash_sdp_enabled(), backends.cuda.mem_efficient_sdp_enabled(),
+             backends.cuda.cudnn_sdp_enabled(), torch.are_deterministic_algorithms_enabled())
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    yield lambda argv, use_cuda: set_numerics(parse_args("test", argv=argv), use_cuda)
+    backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, backends.cudnn.benchmark = saved[:3]
+    backends.cuda.enable_flash_sdp(saved[3])
+    backends.cuda.enable_mem_efficient_sdp(saved[4])
+    backends.cuda.enable_cudnn_sdp(saved[5])
+    torch.use_deterministic_algorithms(saved[6])
+
+
+def test_tf32_is_on_for_cuda_by_default_and_off_with_the_flag(numerics):
+    """nanoGPT's TF32 on CUDA (#28 item 10); `--tf32 false` and CPU runs leave fp32 matmuls alone."""
+    numerics([], use_cuda=True)
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    numerics(["--tf32", "false"], use_cuda=True)
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    numerics([], use_cuda=False)  # the CPU path changes nothing
+    assert not torch.backends.cuda.matmul.allow_tf32
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_deterministic_sets_torch_cublas_and_sdpa_math(numerics, monkeypatch):
+    """--deterministic (#28 item 2): torch's deterministic mode, cuBLAS's fixed workspace, and on CUDA
+    only SDPA's math backend (the fused backwards sum with atomics); a user's own workspace is kept."""
+    import os
+    numerics(["--deterministic"], use_cuda=True)
+    assert torch.are_deterministic_algorithms_enabled()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert not (torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
+                or torch.backends.cuda.cudnn_sdp_enabled())
+    assert torch.backends.cuda.math_sdp_enabled()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    numerics(["--deterministic"], use_cuda=False)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
