@@ -24,6 +24,7 @@ import torch.distributed._shard.sharding_spec.chunk_sharding_spec_ops._common  #
 
 from common import data
 from common.config import die
+from common.metrics import timers
 
 
 # torch 2.13's names for two collectives, and the names older torch has (2.13 keeps those, warns).
@@ -87,6 +88,7 @@ def setup(args):
         torch.set_num_threads(n_threads)
         keep_freed_memory()
     set_numerics(args, use_cuda)
+    timers.use_device(device)  # the wait timers: CUDA events on a GPU, host time on CPU
     # Seeds only what is random at run time (dropout): weights come from init_tensor, batches from
     # get_batch. Each rank gets its own stream: ranks drop different units of their different rows.
     torch.manual_seed(args.seed + rank)

@@ -14,6 +14,7 @@ import resource
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -45,41 +46,85 @@ def model_state_bytes(optimizer):
     return held_bytes(params) + held_bytes(p.grad for p in params) + held_bytes(state)
 
 
+class HostClock:
+    """CPU: a mark is the host's time, and a span's ends are when the host got there (on CPU an op,
+    and a gloo wait, has finished when the host returns)."""
+
+    def mark(self):
+        return time.perf_counter()
+
+    def seconds(self, start, end):
+        return end - start
+
+
+class DeviceClock:
+    """CUDA: the host only queues kernels, and an NCCL `work.wait()` makes the current stream wait
+    without blocking the host, so host time around either is launch time. A mark is a CUDA event
+    recorded on the current stream (the one the next kernel, and the wait, are queued on): the
+    stream reaches it once everything queued before it has run, so end - start is the stream's
+    time in the span, its waits included. seconds() waits for the end event: call it only after
+    the step's synchronize, where it costs nothing. `event`: the event factory (a test passes a
+    fake)."""
+
+    def __init__(self, event=None):
+        self.event = event or partial(torch.cuda.Event, enable_timing=True)
+
+    def mark(self):
+        event = self.event()
+        event.record()  # on torch.cuda.current_stream()
+        return event
+
+    def seconds(self, start, end):
+        end.synchronize()  # start was queued before end on the stream: it has been reached too
+        return start.elapsed_time(end) / 1000  # elapsed_time: ms
+
+
 class Timers:
     """Seconds spent per step in named spans, e.g. the waits on communication that overlap did not
     hide: a strategy writes `with timers("exposed_comm"): work.wait()`; Metrics.step() closes the
-    step and the summary reports each name's median ms per step, per rank. `spans` (when kept)
-    holds (label or name, start, end) of every span of the step (last_spans: of the last finished
-    step), seconds from the step's start, for a timeline."""
+    step and the summary reports each name's median ms per step, per rank. `last_spans` (when
+    keep_spans) holds (label or name, start, end) of every span of the last finished step, seconds
+    from the step's start, for a timeline. A span keeps its two marks of `clock` (host time on CPU,
+    CUDA events on CUDA: setup() calls use_device) and end_step() reads them, after the step."""
 
-    def __init__(self):
-        self.seconds = {}
-        self.spans = []
+    def __init__(self, clock=None):
+        self.clock = clock or HostClock()
+        self.marks = []  # this step's spans: (name, label, start mark, end mark)
         self.last_spans = []
         self.keep_spans = False
         self.steps = {}
-        self.t0 = 0.0
+        self.t0 = None  # the step's start mark: start_step() sets it
+
+    def use_device(self, device):
+        """Marks of this device's clock from now on (the step restarts)."""
+        self.clock = DeviceClock() if device.type == "cuda" else HostClock()
+        self.start_step()
 
     @contextmanager
     def __call__(self, name, label=None):
-        start = time.perf_counter()
+        start = self.clock.mark()
         try:
             yield
         finally:
-            end = time.perf_counter()
-            self.seconds[name] = self.seconds.get(name, 0.0) + end - start
-            if self.keep_spans:
-                self.spans.append((label or name, start - self.t0, end - self.t0))
+            self.marks.append((name, label, start, self.clock.mark()))
 
     def start_step(self):
-        self.seconds = {}
-        self.spans = []
-        self.t0 = time.perf_counter()
+        self.marks = []
+        self.t0 = self.clock.mark()
 
     def end_step(self):
-        for name, s in self.seconds.items():
+        """Called after the step's work is done (on CUDA: after torch.cuda.synchronize())."""
+        seconds = {}
+        spans = []
+        for name, label, start, end in self.marks:
+            seconds[name] = seconds.get(name, 0.0) + self.clock.seconds(start, end)
+            if self.keep_spans:
+                t_start = self.clock.seconds(self.t0, start)
+                t_end = self.clock.seconds(self.t0, end)
+                spans.append((label or name, t_start, t_end))
+        for name, s in seconds.items():
             self.steps.setdefault(name, []).append(1000 * s)
-        self.last_spans = self.spans
+        self.last_spans = spans
         self.start_step()
 
     def medians_ms(self):
