@@ -31,32 +31,33 @@ OVERLAP_TOL = 1e-6
 # One row per (script, implementation, ranks, extra flags). Later strategies add their rows here.
 # Extra flags in MODEL_FLAGS also go to the reference and the plain loop (see below).
 STRATEGIES = [
-    # cp (--implementation pytorch needs CUDA): every mode at cp=2, ring with zigzag (default) and contiguous;
-    # allgather at block 24 (T/cp = 12, zigzag chunks of 6: not powers of two); DP 2 x CP 2 with 2 micro-steps
+    # cp (--implementation pytorch needs CUDA): every mode at cp=2, ring with zigzag (default), allgather at
+    # block 24 (T/cp = 12, zigzag chunks of 6: not powers of two), Ulysses; DP 2 x CP 2 with 2 micro-steps on
+    # the contiguous split (--load_balance false)
     ("cp_train.py", "custom", 2, []),
-    ("cp_train.py", "custom", 2, ["--load_balance", "false"]),
     ("cp_train.py", "custom", 2, ["--cp_mode", "allgather", "--block_size", "24"]),
     ("cp_train.py", "custom", 2, ["--cp_mode", "ulysses"]),
-    ("cp_train.py", "custom", 4, ["--context_parallel_size", "2", "--grad_accum_steps", "2"]),
+    ("cp_train.py", "custom", 4, ["--context_parallel_size", "2", "--grad_accum_steps", "2", "--load_balance", "false"]),
     # pp: every schedule custom + pytorch at 2 stages (interleaved: 2 x 2 chunks of 1 layer), each custom one also
-    # with the head split over the ranks (--vocab_parallel), 1F1B at 4 stages with it; uneven stages (pytorch: gpipe)
-    ("pp_train.py", "custom", 2, ["--schedule", "gpipe"]),
+    # with the head split over the ranks (--vocab_parallel), 1F1B at 4 stages with it; uneven stages 2,1 in GPipe
+    # (custom, pytorch) and 1F1B with accumulation
+    ("pp_train.py", "custom", 2, ["--schedule", "gpipe", "--n_layer", "3", "--stage_layers", "2,1"]),
     ("pp_train.py", "custom", 2, ["--schedule", "gpipe", "--vocab_parallel"]),
     ("pp_train.py", "pytorch", 2, ["--schedule", "gpipe", "--n_layer", "3", "--stage_layers", "2,1"]),
-    ("pp_train.py", "custom", 2, ["--schedule", "1f1b", "--grad_accum_steps", "2"]),
+    ("pp_train.py", "custom", 2, ["--schedule", "1f1b", "--grad_accum_steps", "2", "--n_layer", "3",
+                                  "--stage_layers", "2,1"]),
     ("pp_train.py", "custom", 2, ["--schedule", "1f1b", "--vocab_parallel", "--grad_accum_steps", "2"]),
     ("pp_train.py", "pytorch", 2, ["--schedule", "1f1b", "--grad_accum_steps", "2"]),
-    ("pp_train.py", "custom", 2, ["--schedule", "1f1b", "--n_layer", "3", "--stage_layers", "2,1"]),
     ("pp_train.py", "custom", 2, ["--schedule", "interleaved", "--n_layer", "4"]),
     ("pp_train.py", "custom", 2, ["--schedule", "interleaved", "--n_layer", "4", "--vocab_parallel"]),
     ("pp_train.py", "pytorch", 2, ["--schedule", "interleaved", "--n_layer", "4"]),
     ("pp_train.py", "custom", 4, ["--schedule", "1f1b", "--n_layer", "4", "--vocab_parallel"]),
-    # zero3: default (all partitioned); 4 ranks with biases/LayerNorms persistent; accumulation without prefetch.
+    # zero3: default (all partitioned); 4 ranks with biases/LayerNorms persistent, accumulation, no prefetch.
     # (PyTorch's FSDP2, the peer of both fsdp and zero3, runs at 2 ranks in three rows: with accumulation in fsdp's.)
     ("zero3_train.py", "custom", 2, []),
     ("zero3_train.py", "pytorch", 2, []),
-    ("zero3_train.py", "custom", 4, ["--persistence_threshold", "1024"]),
-    ("zero3_train.py", "custom", 2, ["--grad_accum_steps", "2", "--prefetch", "false"]),
+    ("zero3_train.py", "custom", 4, ["--persistence_threshold", "1024", "--grad_accum_steps", "2",
+                                     "--prefetch", "false"]),
     # zero3 --stage 1/2: ZeRO-1 custom and DDP + ZeroRedundancyOptimizer (with accumulation), ZeRO-2 at 2 and 4 ranks
     ("zero3_train.py", "custom", 2, ["--stage", "1"]),
     ("zero3_train.py", "pytorch", 2, ["--stage", "1", "--grad_accum_steps", "2"]),
@@ -76,11 +77,12 @@ STRATEGIES = [
     *[("tp_train.py", "custom", nproc, extra + ["--tp_overlap"]) for nproc, extra in (
         (2, []), (2, ["--sequence_parallel", "--loss_parallel", "false"]),
         (4, ["--tensor_parallel_size", "4"]), (4, ["--tensor_parallel_size", "4", "--sequence_parallel"]))],
-    # fsdp: 4 ranks with n_embd 25 pad every unit (blocks 7825 values: 3 pad, root 1258450: 2 pad)
+    # fsdp: 4 ranks with n_embd 25 pad every unit (blocks 7825 values: 3 pad, root 1258450: 2 pad), with
+    # accumulation and deferred init
     ("fsdp_train.py", "custom", 2, []),
     ("fsdp_train.py", "pytorch", 2, []),
-    ("fsdp_train.py", "custom", 4, ["--n_embd", "25", "--n_head", "5"]),
-    ("fsdp_train.py", "custom", 2, ["--grad_accum_steps", "2", "--deferred_init", "true"]),
+    ("fsdp_train.py", "custom", 4, ["--n_embd", "25", "--n_head", "5", "--grad_accum_steps", "2",
+                                    "--deferred_init", "true"]),
     ("fsdp_train.py", "pytorch", 2, ["--grad_accum_steps", "2", "--reshard_after_forward", "false"]),
     ("ddp_train.py", "custom", 2, []),
     ("ddp_train.py", "pytorch", 2, []),

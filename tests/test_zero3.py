@@ -4,6 +4,7 @@ tensors, bad input;
 stages 1 and 2 and stage 1's peer (DDP + ZeroRedundancyOptimizer): one step equal to one process, memory and
 communication ledgers, the peer's consolidated checkpoint; resume across the stages."""
 import re
+import shutil
 from contextlib import contextmanager
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import PARITY, PARITY_STEPS, TINY, launch, read_metrics, refusal, spawn, step_losses
+from conftest import CUT, PARITY, PARITY_STEPS, TINY, cut_args, launch, read_metrics, refusal, spawn, step_losses
 from common.distributed import clip_grad_norm_
 from common.config import parse_args
 from common.data import get_batch
@@ -525,22 +526,24 @@ def test_ranks_owning_nothing_warn_and_still_train(tmp_path):
 
 
 def test_resume_across_stages_matches_one_process(shared_run, tmp_path):
-    """One full checkpoint format in every stage: 15 steps as stage 1 (to step 4), stage 1's peer DDP +
-    ZeroRedundancyOptimizer (to 8: it loads its owned AdamW state, then consolidates it for the checkpoint),
-    stage 3 (to 11) and stage 2 (to 15) equal the single-process reference (test_parity.py's run) within 1e-5."""
+    """One full checkpoint format in every stage: 15 steps as stage 3 (to step CUT: the resume tests' shared run),
+    stage 1's peer DDP + ZeroRedundancyOptimizer (to 9: it loads its owned AdamW state, then consolidates it for
+    the checkpoint), stage 1 (to 12) and stage 2 (to 15) equal the single-process reference (test_parity.py's run)
+    within 1e-5."""
+    source, _ = shared_run("zero3_train.py", 2, cut_args("custom"))
+    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
     flags = PARITY + ["--lr_decay_iters", str(PARITY_STEPS), "--out_dir", str(tmp_path)]  # one lr schedule
-    legs = [(1, "custom", 4), (1, "pytorch", 8), (3, "custom", 11), (2, "custom", PARITY_STEPS)]
-    for k, (stage, implementation, until) in enumerate(legs):
+    legs = [(3, "custom", CUT), (1, "pytorch", 9), (1, "custom", 12), (2, "custom", PARITY_STEPS)]
+    for k, (stage, implementation, until) in list(enumerate(legs))[1:]:
         result = launch("zero3_train.py", 2, flags + ["--stage", str(stage), "--implementation", implementation,
-                                                       "--max_iters", str(until)] + (["--resume"] if k else []),
-                        torchrun=False)
+                                                       "--max_iters", str(until), "--resume"], torchrun=False)
         assert result.returncode == 0, result.stderr[-3000:]
-        assert k == 0 or f"at step {legs[k - 1][2]} (written by zero3_train.py)" in result.stdout
+        assert f"at step {legs[k - 1][2]} (written by zero3_train.py)" in result.stdout
     losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path) if "loss" in r}
     reference = step_losses(shared_run("ddp_train.py", None, PARITY + ["--max_iters", str(PARITY_STEPS)])[0])
     assert sorted(losses) == list(range(PARITY_STEPS))
     delta = max(abs(losses[s] - reference[s]) for s in range(PARITY_STEPS))
-    print(f"stage 1 -> its peer -> stage 3 -> stage 2: max |dloss| vs one process = {delta:.2e}")
+    print(f"stage 3 -> stage 1's peer -> stage 1 -> stage 2: max |dloss| vs one process = {delta:.2e}")
     assert delta <= 1e-5
 
 
