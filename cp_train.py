@@ -92,6 +92,9 @@ class CPGroup:
         self.windows = []  # this rank's queries against the key block of each CP rank
         for k_pos in self.positions:
             first, keys, mask = causal_window(self.positions[self.rank], k_pos)
+            # The fused kernel's is_causal: a mask only on my own block, the square's triangle (in
+            # both splits another rank's chunks are wholly before or after each of my chunks).
+            assert mask is None or torch.equal(k_pos, self.positions[self.rank])
             if mask is not None:
                 mask = mask.to(device)
             self.windows.append((first, keys, mask))
@@ -102,50 +105,96 @@ class CPGroup:
 # merge exactly: lse = logaddexp(lse_a, lse_b), out = out_a exp(lse_a-lse) + out_b exp(lse_b-lse).
 # Shapes: B rows, nh heads, hs head size, T/cp this rank's positions; a window keeps the last
 # queries = T/cp - first of them, and the first `keys` keys of the key block.
+# A block is the explicit fp32 math below, or SDPA's fused flash kernel, which returns the lse
+# too and never builds the (queries x keys) scores: on CUDA in bf16/fp16 within the kernel's
+# limits, unless --deterministic (the flash backward sums dQ/dK/dV with atomics, in any order).
+FUSED = None  # True/False: force the choice (tests: the CPU flash kernel in fp32)
+aten = torch.ops.aten
+
+
+def fused(q):
+    if FUSED is not None:
+        return FUSED
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.size(-1) <= 256
+            and torch.cuda.get_device_capability(q.device) >= (8, 0)  # flash: Ampere on
+            and not torch.are_deterministic_algorithms_enabled())
+
+
+def fused_block_attention(q, k, v, causal, scale):
+    """One block by the flash kernel, inputs in their dtype: out (q's dtype), lse (B, nh, queries,
+    1) fp32, and what the CUDA kernel's backward wants back (cum_seq_q/k, max_q/k, philox seed
+    and offset: kept and passed back as torch's own ring attention does)."""
+    if q.is_cuda:
+        out, lse, *rest = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal,
+                                                                   scale=scale)
+        return out, lse.unsqueeze(-1), rest[:6]  # rest[6]: the debug mask, not asked for
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse.unsqueeze(-1), []
+
+
+def fused_block_backward(dout, q, k, v, out, lse, causal, scale, rest):
+    """dq, dk, dv of one block by the flash kernel, from the FINAL out and lse of these queries:
+    its exp(s - lse) and dS = P (dP - rowsum(dout * out)) are the block's share, as below."""
+    args = dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.squeeze(-1).contiguous()
+    if q.is_cuda:
+        return aten._scaled_dot_product_flash_attention_backward(
+            *args, *rest[:4], 0.0, causal, *rest[4:], scale=scale)
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, 0.0, causal,
+                                                                     scale=scale)
+
 
 def block_forward(q, kv, window, out, lse, scale):
     """Attends this rank's queries to one key block and merges the result into out, lse (in
-    place). q, out: (B, nh, T/cp, hs) fp32; kv: (2, B, nh, T/cp, hs); lse: (B, nh, T/cp, 1)."""
+    place); returns what the fused kernel's backward wants back. q: (B, nh, T/cp, hs); out: the
+    same in fp32; kv: (2, B, nh, T/cp, hs); lse: (B, nh, T/cp, 1)."""
     first, keys, mask = window
     if keys == 0 or first == q.size(-2):
-        return  # no kept pair: a later key block (contiguous split), nothing to compute
-    # fp32 math, whatever the inputs
+        return None  # no kept pair: a later key block (contiguous split), nothing to compute
+    q, k, v = q[..., first:, :], kv[0, ..., :keys, :], kv[1, ..., :keys, :]  # the window's
+    rest = None
     with timers("attention"), torch.autocast(q.device.type, enabled=False):
-        k = kv[0, ..., :keys, :].float()  # (B, nh, keys, hs)
-        v = kv[1, ..., :keys, :].float()  # (B, nh, keys, hs)
-        scores = q[..., first:, :] @ k.transpose(-2, -1) * scale  # (B, nh, queries, keys)
-        if mask is not None:
-            scores = scores.masked_fill(mask, float("-inf"))
-        block_lse = scores.logsumexp(-1, keepdim=True)  # (B, nh, queries, 1)
-        block_out = (scores - block_lse).exp() @ v  # (B, nh, queries, hs)
+        if fused(q):  # a mask is the causal triangle of a square window (CPGroup asserts it)
+            block_out, block_lse, rest = fused_block_attention(q, k, v, mask is not None, scale)
+        else:  # fp32 math, whatever the inputs
+            scores = q.float() @ k.float().transpose(-2, -1) * scale  # (B, nh, queries, keys)
+            if mask is not None:
+                scores = scores.masked_fill(mask, float("-inf"))
+            block_lse = scores.logsumexp(-1, keepdim=True)  # (B, nh, queries, 1)
+            block_out = (scores - block_lse).exp() @ v.float()  # (B, nh, queries, hs)
         old_lse = lse[..., first:, :]
         new_lse = torch.logaddexp(old_lse, block_lse)
         old_out = out[..., first:, :] * (old_lse - new_lse).exp()
-        out[..., first:, :] = old_out + block_out * (block_lse - new_lse).exp()
+        out[..., first:, :] = old_out + block_out.float() * (block_lse - new_lse).exp()
         lse[..., first:, :] = new_lse
+    return rest
 
 
-def block_backward(q, kv, window, dout, lse, delta, dq, scale):
+def block_backward(q, kv, window, dout, out, lse, dq, scale, rest):
     """Adds this key block's part of dq (in place); returns its [dK; dV]. probs = exp(s - lse) with
     the final lse is the block's share of the full softmax, so dS = probs (dP - rowsum(dout * out))
-    needs no merging."""
+    needs no merging. out, dq: fp32; rest: what block_forward returned for this block."""
     first, keys, mask = window
     dkv = torch.zeros(kv.shape, device=q.device)  # (2, B, nh, T/cp, hs)
     if keys == 0 or first == q.size(-2):
         return dkv
+    q, k, v = q[..., first:, :], kv[0, ..., :keys, :], kv[1, ..., :keys, :]  # the window's
+    dout, out, lse = dout[..., first:, :], out[..., first:, :], lse[..., first:, :]
     with timers("attention"), torch.autocast(q.device.type, enabled=False):
-        q_kept = q[..., first:, :]  # (B, nh, queries, hs)
-        k = kv[0, ..., :keys, :].float()  # (B, nh, keys, hs)
-        v = kv[1, ..., :keys, :].float()  # (B, nh, keys, hs)
-        dout_kept = dout[..., first:, :]  # (B, nh, queries, hs)
-        scores = q_kept @ k.transpose(-2, -1) * scale  # (B, nh, queries, keys)
-        if mask is not None:
-            scores = scores.masked_fill(mask, float("-inf"))
-        probs = (scores - lse[..., first:, :]).exp()
-        ds = probs * (dout_kept @ v.transpose(-2, -1) - delta[..., first:, :]) * scale
-        dq[..., first:, :] += ds @ k
-        dkv[0, ..., :keys, :] = ds.transpose(-2, -1) @ q_kept  # dK: (B, nh, keys, hs)
-        dkv[1, ..., :keys, :] = probs.transpose(-2, -1) @ dout_kept  # dV: (B, nh, keys, hs)
+        if fused(q):
+            dq_kept, dk, dv = fused_block_backward(dout, q, k, v, out, lse, mask is not None,
+                                                   scale, rest)
+        else:  # fp32 math
+            q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
+            scores = q @ k.transpose(-2, -1) * scale  # (B, nh, queries, keys)
+            if mask is not None:
+                scores = scores.masked_fill(mask, float("-inf"))
+            probs = (scores - lse).exp()
+            delta = (dout * out).sum(-1, keepdim=True)  # (B, nh, queries, 1)
+            ds = probs * (dout @ v.transpose(-2, -1) - delta) * scale
+            dq_kept, dk, dv = ds @ k, ds.transpose(-2, -1) @ q, probs.transpose(-2, -1) @ dout
+        dq[..., first:, :] += dq_kept  # (B, nh, queries, hs)
+        dkv[0, ..., :keys, :] = dk  # (B, nh, keys, hs)
+        dkv[1, ..., :keys, :] = dv  # (B, nh, keys, hs)
     return dkv
 
 
@@ -170,20 +219,20 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over all keys, K/V blocks passed round a ring."""
     @staticmethod
     def forward(ctx, q, k, v, cp):
-        q32 = q.float()  # (B, nh, T/cp, hs)
         kv = torch.stack([k, v])  # (2, B, nh, T/cp, hs): this rank's [K; V]
-        out = torch.zeros_like(q32)  # (B, nh, T/cp, hs)
+        out = torch.zeros_like(q, dtype=torch.float32)  # (B, nh, T/cp, hs)
         lse = torch.full(q.shape[:-1] + (1,), float("-inf"), device=q.device)  # (B, nh, T/cp, 1)
         scale = q.size(-1) ** -0.5
+        ctx.cp, ctx.rests = cp, []  # rests: what each step's fused kernel wants back
         # step i: the block of CP rank (rank - i), the next one on the wire meanwhile
         for i in range(cp.size):
             if i < cp.size - 1:
                 received, works = pass_to_next(kv, cp)
-            block_forward(q32, kv, cp.windows[(cp.rank - i) % cp.size], out, lse, scale)
+            window = cp.windows[(cp.rank - i) % cp.size]
+            ctx.rests.append(block_forward(q, kv, window, out, lse, scale))
             if i < cp.size - 1:
                 wait(works)
                 kv = received
-        ctx.cp = cp
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
 
@@ -191,11 +240,8 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cp = ctx.cp
-        q32 = q.float()
-        dout = dout.float()  # (B, nh, T/cp, hs)
         kv = torch.stack([k, v])  # (2, B, nh, T/cp, hs)
-        delta = (dout * out).sum(-1, keepdim=True)  # (B, nh, T/cp, 1)
-        dq = torch.zeros_like(q32)
+        dq = torch.zeros_like(q, dtype=torch.float32)
         scale = q.size(-1) ** -0.5
         # The block of rank j travels as in forward; its dK,dV accumulator starts on rank j+1 and
         # follows it, each rank adding its queries' share, until rank j-1 hands it to j, who adds
@@ -206,7 +252,7 @@ class RingAttention(torch.autograd.Function):
             if i >= 2:
                 carried_in, carried_works = pass_to_next(carried, cp)
             window = cp.windows[(cp.rank - i) % cp.size]
-            dkv = block_backward(q32, kv, window, dout, lse, delta, dq, scale)
+            dkv = block_backward(q, kv, window, dout, out, lse, dq, scale, ctx.rests[i])
             if i >= 2:
                 wait(carried_works)
             if i == 0:
@@ -229,14 +275,12 @@ class AllGatherAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the all-gathered K/V (Llama 3's CP)."""
     @staticmethod
     def forward(ctx, q, k, v, cp):
-        q32 = q.float()  # (B, nh, T/cp, hs)
         kv = all_gather_kv(k, v, cp)  # (cp, 2, B, nh, T/cp, hs)
-        out = torch.zeros_like(q32)  # (B, nh, T/cp, hs)
+        out = torch.zeros_like(q, dtype=torch.float32)  # (B, nh, T/cp, hs)
         lse = torch.full(q.shape[:-1] + (1,), float("-inf"), device=q.device)  # (B, nh, T/cp, 1)
         scale = q.size(-1) ** -0.5
-        for j in range(cp.size):
-            block_forward(q32, kv[j], cp.windows[j], out, lse, scale)
-        ctx.cp = cp
+        ctx.cp = cp  # and what each block's fused kernel wants back:
+        ctx.rests = [block_forward(q, kv[j], w, out, lse, scale) for j, w in enumerate(cp.windows)]
         ctx.save_for_backward(q, k, v, out, lse)  # its own K,V only: backward gathers them again
         return out.to(q.dtype)
 
@@ -244,15 +288,12 @@ class AllGatherAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cp = ctx.cp
-        q32 = q.float()
-        dout = dout.float()  # (B, nh, T/cp, hs)
         kv = all_gather_kv(k, v, cp)  # (cp, 2, B, nh, T/cp, hs)
-        delta = (dout * out).sum(-1, keepdim=True)  # (B, nh, T/cp, 1)
-        dq = torch.zeros_like(q32)
+        dq = torch.zeros_like(q, dtype=torch.float32)
         scale = q.size(-1) ** -0.5
         blocks = []
-        for j in range(cp.size):
-            blocks.append(block_backward(q32, kv[j], cp.windows[j], dout, lse, delta, dq, scale))
+        for j, window in enumerate(cp.windows):
+            blocks.append(block_backward(q, kv[j], window, dout, out, lse, dq, scale, ctx.rests[j]))
         dkv = torch.stack(blocks)  # (cp, 2, B, nh, T/cp, hs): my queries' share of every block
         my_dkv = dkv.new_empty(dkv.shape[1:])  # (2, B, nh, T/cp, hs)
         # cp x 2BTC/cp numbers in: block j's dK,dV from every rank summed on rank j, (cp-1) sent

@@ -1,8 +1,9 @@
-"""cp_train.py: each attention mode equals full causal attention (output, dq, dk, dv) at cp 2 and 4; the
-causal balance counted from the windows the code computes (zigzag equal, contiguous at the formula's ratio);
-the bytes each mode sends per layer per rank against the docstring's formulas; saved activations per rank at
-cp=2 against one process; bad input. Loss parity (every mode, zigzag or not, T/cp = 12, DP 2 x CP 2) is in
-tests/test_parity.py."""
+"""cp_train.py: each attention mode equals full causal attention (output, dq, dk, dv) at cp 2 and 4, ring and
+allgather also with their blocks by the fused flash kernel (its CPU op here; the CUDA op's arguments on fake CUDA
+tensors); the causal balance counted from the windows the code computes (zigzag equal, contiguous at the
+formula's ratio); the bytes each mode sends per layer per rank against the docstring's formulas; saved
+activations per rank at cp=2 against one process; bad input. Loss parity (every mode, zigzag or not, T/cp = 12,
+DP 2 x CP 2) is in tests/test_parity.py."""
 from fractions import Fraction
 
 import pytest
@@ -10,13 +11,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cp_train
 from conftest import TINY, refusal, spawn
 from common.distributed import torch_name
 from common.metrics import SavedActivations
 from common.model import GPT, GPTConfig
-from cp_train import AllGatherAttention, CPGroup, CPGPT, RingAttention, causal_window, positions, ulysses_attention
+from cp_train import (AllGatherAttention, CPGroup, CPGPT, RingAttention, block_backward, block_forward, causal_window,
+                      positions, ulysses_attention)
 
 MODES = [("allgather", True), ("ring", True), ("ring", False), ("ulysses", False)]
+MODES_FUSED = [(m, z, False) for m, z in MODES] + [(m, z, True) for m, z in MODES if m != "ulysses"]
 B, H, D = 2, 4, 8  # rows, heads, head_dim of the attention tests
 
 
@@ -26,6 +32,11 @@ def attention(mode, q, k, v, cp):
     return (RingAttention if mode == "ring" else AllGatherAttention).apply(q, k, v, cp)
 
 
+def _max_relative_diff(got, expected):
+    """Max |difference|, relative where the reference exceeds 1 (fp32 sums of T products of O(1) values)."""
+    return max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(got, expected))
+
+
 def _groups(rank, world_size):
     """{cp: this rank's CP group}: cp=4 all ranks, cp=2 ranks (0, 1) and (2, 3); every rank creates every group."""
     pairs, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
@@ -33,7 +44,8 @@ def _groups(rank, world_size):
 
 
 def _layer_equals_full_attention(groups, T=24):
-    """Max |difference| of out, dq, dk, dv (this rank's positions) from full causal SDPA, per (cp, mode, zigzag)."""
+    """Max |difference| of out, dq, dk, dv (this rank's positions) from full causal SDPA, per (cp, mode, zigzag,
+    fused): ring and allgather also with cp_train.FUSED forced on (the CPU flash kernel, fp32)."""
     torch.manual_seed(0)  # the same full tensors on every rank
     q, k, v, dout = (torch.randn(B, H, T, D) for _ in range(4))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -41,15 +53,15 @@ def _layer_equals_full_attention(groups, T=24):
     out.backward(dout)
     diffs = {}
     for cp_size, group in groups.items():
-        for mode, zigzag in MODES:
+        for mode, zigzag, fused in MODES_FUSED:
+            cp_train.FUSED = fused
             cp = CPGroup(group, T, zigzag, torch.device("cpu"))
             local = [t[:, :, cp.mine].clone().requires_grad_() for t in (q, k, v)]
             y = attention(mode, *local, cp)
             y.backward(dout[:, :, cp.mine])
-            # relative where the reference exceeds 1 (fp32 sums of T products of O(1) values)
-            diffs[cp_size, mode, zigzag] = max(((a - b[:, :, cp.mine]).abs().max() / b.abs().max().clamp(min=1)).item()
-                                               for a, b in zip(
-                [y] + [t.grad for t in local], [out.detach()] + [t.grad for t in full]))
+            cp_train.FUSED = None
+            got, expected = [y] + [t.grad for t in local], [out.detach()] + [t.grad for t in full]
+            diffs[cp_size, mode, zigzag, fused] = _max_relative_diff(got, [b[:, :, cp.mine] for b in expected])
     return diffs
 
 
@@ -123,9 +135,92 @@ def unit():
 
 def test_each_mode_equals_full_causal_attention(unit):
     for r in unit:  # T = 24: cp 2 holds 12 positions (zigzag: chunks of 6), cp 4 holds 6 (zigzag: chunks of 3)
-        assert sorted(r["layers"]) == sorted((cp, m, z) for cp in (2, 4) for m, z in MODES)
+        assert sorted(r["layers"]) == sorted((cp, m, z, f) for cp in (2, 4) for m, z, f in MODES_FUSED)
         for key, diff in r["layers"].items():
             assert diff <= 1e-6, (r, key, diff)
+
+
+def _windows(T, cp, r, zigzag):
+    """Every rank's positions and rank r's window on each key block, as CPGroup computes them."""
+    pos = [positions(T, cp, j, zigzag) for j in range(cp)]
+    return pos, [causal_window(pos[r], p) for p in pos]
+
+
+def _blocks_of_rank(q, dout, blocks, windows):
+    """One rank's out, lse, dq, and its [dK; dV] share of every key block, by cp_train's block_forward and
+    block_backward over all the blocks, called as ring and allgather call them (all blocks given: no ranks).
+    q, dout: (B, H, T/cp, D) of this rank's positions; blocks: every rank's (2, B, H, T/cp, D) [K; V]."""
+    scale = q.size(-1) ** -0.5
+    out = torch.zeros_like(q, dtype=torch.float32)
+    lse = torch.full(out.shape[:-1] + (1,), float("-inf"), device=q.device)
+    rests = [block_forward(q, kv, w, out, lse, scale) for kv, w in zip(blocks, windows)]
+    dq = torch.zeros_like(out)
+    dkv = [block_backward(q, kv, w, dout, out, lse, dq, scale, rest) for kv, w, rest in zip(blocks, windows, rests)]
+    return out, lse, dq, dkv, rests
+
+
+@pytest.mark.parametrize("cp,zigzag", [(2, True), (2, False), (3, True)])
+def test_fused_blocks_equal_the_math_and_full_attention(cp, zigzag, monkeypatch):
+    """Each rank's blocks (whole windows, windows cut to a suffix of queries or a prefix of keys, the causal one on
+    its own block, skipped ones) by the CPU flash kernel (cp_train.FUSED forced on) and by the explicit math: out,
+    lse, dq and its share of every block's dK,dV, against full causal SDPA on this rank's queries. Backward is
+    given the final (merged) out and lse: fed a block's own, it would miss the other blocks' share of the softmax
+    (checked: this fails then). Tolerance 2e-6; measured at most 7.9e-7 (math), 5.8e-7 (fused)."""
+    T, scale = 24, D ** -0.5
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(B, H, T, D) for _ in range(4))
+    causal = torch.ones(T, T, dtype=torch.bool).triu(1)  # True: key after query
+    full_lse = (q @ k.transpose(-2, -1) * scale).masked_fill(causal, float("-inf")).logsumexp(-1, keepdim=True)
+    for r in range(cp):
+        pos, windows = _windows(T, cp, r, zigzag)
+        mine = pos[r]
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        full_out = F.scaled_dot_product_attention(*full, is_causal=True)
+        full_out.backward(torch.zeros_like(dout).index_copy(2, mine, dout[:, :, mine]))  # from rank r's rows only
+        expected = [full_out[:, :, mine].detach(), full_lse[:, :, mine], full[0].grad[:, :, mine]]
+        expected += [torch.stack([full[1].grad[:, :, p], full[2].grad[:, :, p]]) for p in pos]
+        blocks = [torch.stack([k[:, :, p], v[:, :, p]]) for p in pos]  # every rank's [K; V]
+        for fused in (False, True):
+            monkeypatch.setattr(cp_train, "FUSED", fused)
+            out, lse, dq, dkv, _ = _blocks_of_rank(q[:, :, mine], dout[:, :, mine], blocks, windows)
+            diff = _max_relative_diff([out, lse, dq] + dkv, expected)
+            print(f"cp={cp} zigzag={zigzag} rank {r} fused={fused}: max relative difference {diff:.2e}")
+            assert diff <= 2e-6, (cp, zigzag, r, fused, diff)
+
+
+def test_fused_kernel_only_on_cuda_bf16_fp16_and_its_cuda_ops_arguments(monkeypatch):
+    """The CUDA branch on fake CUDA tensors (FakeTensorMode: torch's meta kernels check each op's arguments and
+    give its outputs): which blocks take the fused kernel, and the calls of the CUDA flash ops, with what the
+    forward returned for cum_seq_q/k, max_q/k and the philox state passed back to backward."""
+    called = []
+
+    class Aten:  # cp_train.aten, recording the ops called
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(torch.ops.aten, name)
+    monkeypatch.setattr(cp_train, "aten", Aten())
+    capability = [(9, 0)]  # an H100's; a V100's (7, 0) has no flash kernel
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability[0])
+    with FakeTensorMode():
+        kinds = [("cuda", torch.bfloat16), ("cuda", torch.float16), ("cuda", torch.float32), ("cpu", torch.bfloat16)]
+        assert [cp_train.fused(torch.empty(1, D, device=d, dtype=t)) for d, t in kinds] == [True, True, False, False]
+        assert not cp_train.fused(torch.empty(1, 512, device="cuda", dtype=torch.bfloat16))  # head size over 256
+        capability[0] = (7, 0)
+        assert not cp_train.fused(torch.empty(1, D, device="cuda", dtype=torch.bfloat16))
+        capability[0] = (9, 0)
+        torch.use_deterministic_algorithms(True)  # --deterministic: the math path
+        try:
+            assert not cp_train.fused(torch.empty(1, D, device="cuda", dtype=torch.bfloat16))
+        finally:
+            torch.use_deterministic_algorithms(False)
+        q, dout = torch.empty(2, B, H, 6, D, device="cuda", dtype=torch.bfloat16).unbind(0)  # a window's 6 queries
+        k, v = torch.empty(2, B, H, 12, D, device="cuda", dtype=torch.bfloat16).unbind(0)  # and 12 keys
+        out, lse, rest = cp_train.fused_block_attention(q, k, v, False, D ** -0.5)
+        assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (B, H, 6, 1), torch.float32)
+        assert len(rest) == 6 and rest[2:4] == [6, 12]  # cum_seq_q, cum_seq_k, max_q, max_k, philox seed, offset
+        grads = cp_train.fused_block_backward(dout, q, k, v, out.float(), lse, False, D ** -0.5, rest)
+        assert [(g.shape, g.dtype) for g in grads] == [(t.shape, t.dtype) for t in (q, k, v)]
+    assert called == ["_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"]
 
 
 def pairs_kept_and_computed(T, cp, zigzag):
