@@ -424,7 +424,8 @@ RESUME_STEPS, RESUME_CUT = 4, 2
 def test_resume_with_dropout_is_bit_identical(impl, sp, tmp_path):
     """--dropout 0.5: RESUME_CUT steps, then --resume to RESUME_STEPS, equals the uninterrupted run bit for bit
     (losses and final state): the checkpoint's RNG states restore the shared and the forked streams. The evals
-    (at the cut, in both the cut and the resumed run) draw nothing."""
+    (at the cut, in both the cut and the resumed run) draw nothing. The cut run's first steps, a launch of their
+    own, repeat the uninterrupted run's bit for bit: identical runs give identical losses, dropout included."""
     flags = TINY + ["--dropout", "0.5", "--implementation", impl, "--lr_decay_iters", str(RESUME_STEPS),
                     "--eval_interval", "2", "--eval_iters", "1"] + (["--sequence_parallel"] if sp else [])
     for out, steps in (("whole", RESUME_STEPS), ("cut", RESUME_CUT), ("cut", RESUME_STEPS)):
