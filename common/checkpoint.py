@@ -8,18 +8,22 @@ The full format, `<out_dir>/ckpt.pt` (like nanoGPT's), is one dict gathered on r
               is a function of the step)
   config:     GPTConfig fields
   args:       the run's flags
+  save:       this save's id (time.time_ns()): on resume, each rank checks it read rank 0's file
   format:     "nanodist-full-v1"
 Every script writes it and every script resumes from it, re-sharding model and optimizer state to
 its own layout: a checkpoint written by fsdp_train.py resumes in tp_train.py. fsdp_train.py can
 also write a sharded format (a file per rank + a manifest; see its docstring).
 """
 import os
+import socket
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 from common.config import die, gpt_config
+from common.distributed import die_on_any
 
 FORMAT = "nanodist-full-v1"
 
@@ -56,7 +60,7 @@ def save_checkpoint(model_state, optimizer_state, step, config, args):
     if rank == 0:
         ckpt = dict(format=FORMAT, script=os.path.basename(sys.argv[0]), model=model_state,
                     optimizer=optimizer_state, step=step, rng=rng,
-                    config=config.__dict__.copy(), args=vars(args))
+                    config=config.__dict__.copy(), args=vars(args), save=time.time_ns())
         save_atomic(ckpt, os.path.join(args.out_dir, "ckpt.pt"))
 
 
@@ -102,40 +106,96 @@ def read(path, flag="--resume"):
 
 def resume(args):
     """Collective: every rank calls it after setup(). Returns the checkpoint to continue from, or
-    None for a fresh start. It resumes when --resume is given, or when torchrun restarted the job
-    after a failure (TORCHELASTIC_RESTART_COUNT > 0; then a missing checkpoint means a fresh start).
-    Rank 0 reads and checks the file first, so a bad file gives one error line, not one per rank;
-    then every rank maps it (out_dir must be shared by the nodes) and restores its RNG state."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    path = os.path.join(args.out_dir, "ckpt.pt")
-    if not args.resume and not (restarted and os.path.exists(path)):
-        return None
-    verdict = [None]
-    if dist.get_rank() == 0:
-        verdict[0] = _check(path, args)
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        die(verdict[0])
-    ckpt, _ = read(path)
+    None for a fresh start. It resumes when --resume or --resume_from is given, or when torchrun
+    restarted the job after a failure (TORCHELASTIC_RESTART_COUNT > 0 on any rank; then
+    out_dir/ckpt.pt, the job's own latest, if there is one yet).
+
+    Decided once: rank 0 chooses the file and checks it, and broadcasts its choice (path, step and
+    save id). Every other rank then reads that path and must find the same checkpoint; their
+    verdicts are gathered, so a node that cannot see it (out_dir not shared, or NFS lagging) ends
+    every rank with one line naming the path, and no job has some ranks resumed and others fresh."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # Each node's torchrun agent counts its own restarts: a node restarted because a peer failed
+    # may read 0 where the failed one reads 1. Every rank's count goes to every rank (a few bytes).
+    restarts = [None] * world_size
+    dist.all_gather_object(restarts, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    choice, ckpt, error = [None], None, None
+    if rank == 0:
+        choice[0], ckpt = choose(args, restarted=max(restarts) > 0)
+    dist.broadcast_object_list(choice, src=0)  # rank 0's choice to every rank: a small dict
+    choice = choice[0]
+    if choice is None:
+        return None  # a fresh start on every rank
+    if "error" in choice:
+        die(choice["error"])
+    if rank != 0:
+        ckpt, error = read_chosen(choice, rank)
+    die_on_any(error)
     rng = ckpt.get("rng")
-    if rng is not None and len(rng) == dist.get_world_size():
-        state = rng[dist.get_rank()]
+    if rng is not None and len(rng) == world_size:
+        state = rng[rank]
         torch.set_rng_state(state["cpu"])
         if state["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
     else:  # another world size: a fresh dropout stream per rank and step
-        torch.manual_seed(args.seed + dist.get_rank() + 1_000_003 * ckpt["step"])
-    if dist.get_rank() == 0:
+        torch.manual_seed(args.seed + rank + 1_000_003 * ckpt["step"])
+    if rank == 0:
         script = ckpt.get("script", "?")
-        print(f"resuming from {path} at step {ckpt['step']} (written by {script})", flush=True)
+        print(f"resuming from {choice['path']} at step {ckpt['step']} (written by {script})",
+              flush=True)
     return ckpt
 
 
-def _check(path, args):
-    """None if rank 0 can resume from path with these flags, else the error line."""
-    ckpt, error = read(path)
+def choose(args, restarted):
+    """Rank 0's choice and the checkpoint it read: (None, None) for a fresh start, ({"error": line},
+    None), or ({"path", "flag", "step", "save", "bytes"}, the checkpoint every rank resumes from).
+    After a restart the job's own latest checkpoint wins, even over --resume_from (which the job
+    started from, and has gone past)."""
+    latest = os.path.join(args.out_dir, "ckpt.pt")
+    if restarted and os.path.exists(latest):
+        path, flag = latest, "--resume"
+    elif args.resume_from is not None:
+        path, flag = args.resume_from, "--resume_from"
+    elif args.resume:
+        path, flag = latest, "--resume"
+    else:
+        return None, None  # also a restart before the first checkpoint was written
+    ckpt, error = read(path, flag)
+    if error is None:
+        error = _check(ckpt, path, args)
     if error is not None:
-        return error
+        return dict(error=error), None
+    choice = dict(path=path, flag=flag, step=ckpt["step"], save=ckpt.get("save"),
+                  bytes=os.path.getsize(path))
+    return choice, ckpt
+
+
+def read_chosen(choice, rank):
+    """(the checkpoint at rank 0's chosen path, None), or (None, the line saying that this rank
+    cannot see it, or sees another file there: a stale copy, as NFS may show for a while)."""
+    path, flag = choice["path"], choice["flag"]
+    node = os.environ.get("GROUP_RANK", "?")
+    where = f"node {node} (host {socket.gethostname()}, rank {rank})"
+    fix = ("out_dir must be on a shared filesystem, or pass --resume_from a path every node "
+           "can read")
+    if not os.path.exists(path):
+        return None, f"{flag}: {path} is not visible from {where}: {fix}"
+    ckpt, error = read(path, flag)
+    if error is not None:  # e.g. a file still being copied
+        return None, f"{error}, on {where}: {fix}"
+    mine = dict(step=ckpt["step"], save=ckpt.get("save"), bytes=os.path.getsize(path))
+    if any(mine[key] != choice[key] for key in mine):
+        return None, (f"{flag}: {path} on {where} is another file than rank 0 read "
+                      f"({describe(mine)}, not {describe(choice)}; a stale copy?): {fix}")
+    return ckpt, None
+
+
+def describe(file):
+    return f"step {file['step']}, save id {file['save']}, {file['bytes']} bytes"
+
+
+def _check(ckpt, path, args):
+    """None if rank 0 can resume from ckpt (read from path) with these flags, else the error."""
     mismatch = config_mismatch(ckpt["config"], args)
     if mismatch is not None:
         key, saved, value = mismatch

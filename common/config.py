@@ -118,6 +118,9 @@ def parse_args(strategy, add_flags=None, argv=None):
                    help="write out_dir/ckpt.pt every N steps; it is always written at the end")
     add_bool(r, "--resume", False, "continue from out_dir/ckpt.pt (written by any script); "
              "a torchrun restart after a failure resumes by itself")
+    r.add_argument("--resume_from", default=None, metavar="PATH",
+                   help="continue from this full checkpoint instead of out_dir/ckpt.pt (a path "
+                        "every node can read); implies --resume")
     r.add_argument("--timeout_s", type=float, default=300,
                    help="collective timeout: a rank waiting longer on a dead peer fails "
                         "instead of hanging")

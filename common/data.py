@@ -6,9 +6,11 @@ global batch of each optimizer step.
 `get_batch(split, step, ...)` returns the same (x, y) on every rank and in every strategy:
 the batch depends only on (seed, split, step).
 """
+import filecmp
 import hashlib
 import json
 import os
+import socket
 import urllib.request
 
 import numpy as np
@@ -33,17 +35,17 @@ def _sha256(path):
 def prepare(dataset="shakespeare", data_file=None):
     """Make sure data/<dataset>/{train,val}.bin exist; return None, or one line saying what is
     wrong. The text comes from `data_file` if given, else data/<dataset>/input.txt, which for
-    "shakespeare" is downloaded from SHAKESPEARE_URL when missing."""
+    "shakespeare" is downloaded from SHAKESPEARE_URL when missing.
+
+    Several nodes may prepare one shared folder at once (each node's local rank 0), and one node's
+    ranks may already read (memmap) the files another node is about to publish: see publish()."""
     out = data_dir(dataset)
     meta_path = os.path.join(out, "meta.json")
     text_path = data_file or os.path.join(out, "input.txt")
     if data_file is not None and not os.path.isfile(data_file):
         return f"--data_file: no such file: {data_file}"
-    if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if data_file is None or meta.get("sha256") == _sha256(data_file):
-            return None  # already prepared from this text
+    if prepared(out, data_file):
+        return None
     if not os.path.exists(text_path):
         if dataset != "shakespeare":
             return (f"--dataset {dataset}: no text at {text_path}; put a text file there "
@@ -52,9 +54,9 @@ def prepare(dataset="shakespeare", data_file=None):
             os.makedirs(out, exist_ok=True)
             with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as r:
                 text = r.read()
-            with open(f"{text_path}.tmp.{os.getpid()}", "wb") as f:
+            with open(temporary(text_path), "wb") as f:
                 f.write(text)
-            os.replace(f"{text_path}.tmp.{os.getpid()}", text_path)
+            publish(temporary(text_path), text_path)
         except OSError as e:
             return (f"--dataset shakespeare: cannot download {SHAKESPEARE_URL} ({e}); "
                     f"offline, put Tiny Shakespeare's input.txt at {text_path}")
@@ -70,17 +72,65 @@ def prepare(dataset="shakespeare", data_file=None):
     n = len(text)
     os.makedirs(out, exist_ok=True)
     cut = int(n * 0.9)
+    meta = {"source": os.path.abspath(text_path), "sha256": _sha256(text_path), "tokens": {}}
     for split, chunk in (("train", text[:cut]), ("val", text[cut:])):
         ids = np.array(enc.encode_ordinary(chunk), dtype=np.uint16)
-        # a temporary file per process: nodes may share this folder
-        tmp = os.path.join(out, f"{split}.bin.tmp.{os.getpid()}")
-        ids.tofile(tmp)
-        os.replace(tmp, os.path.join(out, f"{split}.bin"))
-    meta_tmp = f"{meta_path}.tmp.{os.getpid()}"
-    with open(meta_tmp, "w") as f:  # meta.json last: it says the .bin files are complete
-        json.dump({"source": os.path.abspath(text_path), "sha256": _sha256(text_path)}, f)
-    os.replace(meta_tmp, meta_path)
+        ids.tofile(temporary(os.path.join(out, f"{split}.bin")))
+        meta["tokens"][split] = len(ids)
+    for split in ("train", "val"):
+        path = os.path.join(out, f"{split}.bin")
+        publish(temporary(path), path)
+    with open(temporary(meta_path), "w") as f:  # meta.json last: the .bin files are complete
+        json.dump(meta, f)
+    publish(temporary(meta_path), meta_path)
     return None
+
+
+def prepared(out, data_file):
+    """Whether out/ holds complete .bin files of this text: meta.json (written last) names the
+    text's sha256 (checked only for a --data_file: input.txt is the folder's own) and each split's
+    token count, which the file's size must match (older meta.json files have no counts)."""
+    meta_path = os.path.join(out, "meta.json")
+    if not os.path.exists(meta_path):
+        return False
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if data_file is not None and meta.get("sha256") != _sha256(data_file):
+        return False
+    for split, count in meta.get("tokens", {}).items():
+        path = os.path.join(out, f"{split}.bin")
+        if not os.path.exists(path) or os.path.getsize(path) != 2 * count:  # uint16 ids
+            return False
+    return True
+
+
+def temporary(path):
+    """This process's temporary name for path: by host and PID, as containers on several nodes
+    often run their preparing process under the same PID."""
+    return f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
+
+
+def publish(tmp, path):
+    """Moves the finished file tmp to path, never replacing a file that already holds the same
+    bytes: another node prepared it first, and its ranks may have it open (memmapped). On NFS a
+    rename over a file open elsewhere gives those readers ESTALE, or SIGBUS in a memmap.
+    os.link creates path only if it does not exist, atomically (on NFS too: the server decides);
+    a file there is kept if it has tmp's bytes (tokenising is deterministic), and replaced only if
+    it differs (the data of an older text)."""
+    try:
+        os.link(tmp, path)
+        os.remove(tmp)
+        return
+    except FileExistsError:
+        pass
+    except OSError:  # a filesystem without hard links: only the check below
+        if not os.path.exists(path):
+            os.replace(tmp, path)
+            return
+    if filecmp.cmp(tmp, path, shallow=False):
+        os.remove(tmp)
+    else:
+        os.replace(tmp, path)
 
 
 _tokens = {}

@@ -10,6 +10,8 @@ import gc
 import os
 import socket
 import sys
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -70,13 +72,8 @@ def setup(args):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if use_cuda and local_world > torch.cuda.device_count():  # one GPU per local rank, or none
-        gpus = torch.cuda.device_count()
-        die(f"--device: {args.device} needs one GPU per local rank: {local_world} local ranks, "
-            f"{gpus} GPU(s) on this node; run at most {gpus} "
-            f"per node (--nproc_per_node), or pass --device cpu")
     if use_cuda:
-        device = torch.device("cuda", local_rank)
+        device = cuda_device(args, local_rank, local_world)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -137,6 +134,23 @@ def set_numerics(args, use_cuda):
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def cuda_device(args, local_rank, local_world):
+    """This rank's GPU: one per process. cuda:0 when the rank sees exactly one GPU, its own (SLURM's
+    --gpus-per-task=1, or CUDA_VISIBLE_DEVICES set per rank; there cuda:LOCAL_RANK does not exist),
+    cuda:LOCAL_RANK when it sees at least one GPU per local rank; any other count is one error.
+    One GPU, several local ranks and no CUDA_VISIBLE_DEVICES: they all see the same one GPU."""
+    gpus = torch.cuda.device_count()
+    own_gpu = gpus == 1 and (local_world == 1 or "CUDA_VISIBLE_DEVICES" in os.environ)
+    if own_gpu:
+        return torch.device("cuda", 0)
+    local_ranks = max(local_world, local_rank + 1)  # LOCAL_WORLD_SIZE may be unset (srun)
+    if gpus < local_ranks:
+        die(f"--device: {args.device} needs one GPU per local rank: {local_ranks} local ranks, "
+            f"{gpus} GPU(s) on this node; run at most {gpus} per node (--nproc_per_node), "
+            f"give each rank its own GPU (CUDA_VISIBLE_DEVICES), or pass --device cpu")
+    return torch.device("cuda", local_rank)
 
 
 def keep_freed_memory():
@@ -216,43 +230,91 @@ def backend_threads():
     return [n for n in names if n.startswith(("pt_gloo", "gloo", "pt_nccl"))]
 
 
-# How long the other ranks wait for their node's tokenising: not --timeout_s, which bounds a step's
+# How long the ranks wait for the nodes' tokenising: not --timeout_s, which bounds a step's
 # collectives (seconds to minutes), while tokenising a large --data_file can take much longer.
 PREPARE_TIMEOUT = timedelta(hours=2)
 
 
+def collective_device():
+    """Where the default group's collectives take their tensors: this rank's GPU under nccl (set
+    by setup()), the CPU under gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def setup_data(args):
     """Local rank 0 of every node prepares that node's data/<dataset>/ (tokenising the text on
-    first use: a node with its own checkout has nothing yet) while the node's other ranks wait.
-    Then every rank learns every node's verdict (an all-gather of a short string, on a gloo group of
-    its own whose timeout is PREPARE_TIMEOUT) and either goes on or exits with the first error."""
-    verdict = None
+    first use: a node with its own checkout has nothing yet) while the other ranks wait. Then every
+    rank learns every node's verdict and either goes on or exits with the first error.
+
+    Everything goes over the default group (nccl on GPUs: no gloo group, whose network interface
+    gloo guesses from the hostname, often wrongly across nodes). Its collectives time out after
+    --timeout_s, and tokenising may take longer, up to PREPARE_TIMEOUT: so the preparing rank works
+    in a thread, and every rank polls with one small all-reduce every poll_s (< --timeout_s)."""
+    verdict = [None]  # this rank's: set by the preparing thread
+
+    def work():
+        verdict[0] = data_verdict(args)
+
+    worker = None
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        try:
-            verdict = data.prepare(args.dataset, args.data_file)
-            if verdict is None:
-                verdict = data.check_block_size(args.block_size, args.dataset)
-        except Exception as e:  # turn anything unexpected into one line instead of a hang
-            reason = f"{type(e).__name__}: {e}"
-            verdict = f"--dataset {args.dataset}: preparing the data failed: {reason}"
-        multi_node = dist.get_world_size() > int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if verdict is not None and multi_node:
-            node = os.environ.get("GROUP_RANK", "?")
-            verdict += f" (on node {node}, host {socket.gethostname()})"
-    group = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT)
-    die_on_any(verdict, group)
-    dist.destroy_process_group(group)
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
+    poll_s = min(1.0, args.timeout_s / 4)
+    deadline = time.monotonic() + PREPARE_TIMEOUT.total_seconds()
+    device = collective_device()
+    while True:
+        busy = late = False
+        if worker is not None:
+            worker.join(timeout=poll_s)  # the other ranks wait for this long in the all-reduce
+            busy = worker.is_alive()
+            late = busy and time.monotonic() > deadline
+        state = torch.tensor([int(busy), int(late)], device=device)
+        # 16 bytes, summed over every rank: how many still prepare, and how many of those are past
+        # PREPARE_TIMEOUT. Each call returns within about poll_s, as every rank is in this loop; the
+        # sums are equal on every rank, so every rank leaves the loop after the same pass.
+        dist.all_reduce(state)
+        busy_ranks, late_ranks = state.tolist()
+        if busy_ranks == 0 or late_ranks > 0:
+            break
+    if late:
+        verdict[0] = (f"--dataset {args.dataset}: preparing the data took more than "
+                      f"{PREPARE_TIMEOUT} (common.distributed.PREPARE_TIMEOUT){on_which_node()}")
+    die_on_any(verdict[0])  # a thread still preparing (late) is a daemon: it ends with the exit
 
 
-def die_on_any(verdict, group=None):
+def data_verdict(args):
+    """None, or the line saying why this node's data/<dataset>/ cannot be used."""
+    try:
+        verdict = data.prepare(args.dataset, args.data_file)
+        if verdict is None:
+            verdict = data.check_block_size(args.block_size, args.dataset)
+    except Exception as e:  # turn anything unexpected into one line instead of a hang
+        reason = f"{type(e).__name__}: {e}"
+        verdict = f"--dataset {args.dataset}: preparing the data failed: {reason}"
+    if verdict is not None:
+        verdict += on_which_node()
+    return verdict
+
+
+def on_which_node():
+    """' (on node N, host H)' in a job of several nodes, else ''."""
+    if dist.get_world_size() == int(os.environ.get("LOCAL_WORLD_SIZE", 1)):
+        return ""
+    return f" (on node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
+
+
+def die_on_any(verdict):
     """Collective: every rank passes its verdict (None, or an error line); if any rank has an error,
     every rank exits with the first one (rank 0 prints it), so a check that only some ranks can make
-    (a node's data, a rank's own file) still ends the job with one line and no rank waiting."""
-    verdicts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(verdicts, verdict, group=group)
+    (a node's data, a rank's own file) still ends the job with one line and no rank waiting.
+    The verdicts travel over the default group (pickled; on nccl through this rank's GPU)."""
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, verdict)
     error = next((v for v in verdicts if v is not None), None)
     if error is not None:
-        die(error)  # destroys every process group, this one included
+        die(error)
 
 
 def clip_grad_norm_(sharded, replicated, max_norm, group=None):

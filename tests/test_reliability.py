@@ -247,14 +247,50 @@ def test_data_wait_is_not_bounded_by_timeout_s(tmp_path, monkeypatch):
     run("ddp_train.py", 2, ["--max_iters", "1", "--timeout_s", "3"], tmp_path / "out")
 
 
+def test_a_preparation_past_prepare_timeout_ends_every_rank_with_one_line(tmp_path, monkeypatch):
+    """The data wait polls over the default group (no gloo group of its own): past PREPARE_TIMEOUT (here 2 s,
+    rank 0 tokenising for 30 s) every rank ends with one line, within --timeout_s of it."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time\nfrom datetime import timedelta\nimport common.data as d\nimport common.distributed\n"
+        "common.distributed.PREPARE_TIMEOUT = timedelta(seconds=2)\nslow = d.prepare\n"
+        "d.prepare = lambda *a: (time.sleep(30) if os.environ.get('RANK') == '0' else None) or slow(*a)\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{REPO}")
+    assert the_one_error("ddp_train.py", 2, ["--max_iters", "1", "--timeout_s", "3", "--out_dir",
+                                             str(tmp_path / "out")]) == (
+        "error: --dataset shakespeare: preparing the data took more than 0:00:02 (common.distributed.PREPARE_TIMEOUT)")
+
+
+def test_resume_on_nodes_whose_out_dirs_differ_is_one_clear_error(shared_run, tmp_path, monkeypatch):
+    """Two "nodes" of one rank each, run from their own folders with the same --out_dir out: node 0's holds
+    the checkpoint, node 1's nothing (out_dir not shared). Every rank must end with one line naming the path,
+    not resume on one node and start fresh on the other (which then hung in a collective)."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    cut_run(shared_run, "ddp_train.py", "custom", nodes[0] / "out")
+    nodes[1].mkdir()
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(  # each rank in its node's folder, as the only rank of its node
+        "import os\nrank = os.environ.get('RANK')\nif rank is not None:\n"
+        f"    os.chdir(os.path.join({str(tmp_path)!r}, 'node' + rank))\n"
+        "    os.environ.update(GROUP_RANK=rank, LOCAL_RANK='0', LOCAL_WORLD_SIZE='1')\n")
+    monkeypatch.setenv("PYTHONPATH", str(hook))
+    error = the_one_error(os.path.join(REPO, "ddp_train.py"), 2, FLAGS + ["--max_iters", str(STEPS), "--resume",
+                                                                          "--out_dir", "out"])
+    assert error.startswith("error: --resume: out/ckpt.pt is not visible from node 1 (host "), error
+    assert "out_dir must be on a shared filesystem, or pass --resume_from" in error
+
+
 def test_device_auto_with_more_local_ranks_than_gpus_is_one_clear_error(tmp_path, monkeypatch):
-    """The README's first command on a 1-GPU machine: 2 local ranks, 1 GPU (faked)."""
+    """The README's first command on a 1-GPU machine: 2 local ranks, 1 GPU (faked), no CUDA_VISIBLE_DEVICES,
+    so both ranks see the same GPU. (One GPU per rank, each its own: tests/test_clusters.py.)"""
     (tmp_path / "sitecustomize.py").write_text(
         "import torch\ntorch.cuda.is_available = lambda: True\ntorch.cuda.device_count = lambda: 1\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert the_one_error("ddp_train.py", 2, ["--max_iters", "1", "--out_dir", str(tmp_path / "out")]) == (
         "error: --device: auto needs one GPU per local rank: 2 local ranks, 1 GPU(s) on this node; "
-        "run at most 1 per node (--nproc_per_node), or pass --device cpu")
+        "run at most 1 per node (--nproc_per_node), give each rank its own GPU (CUDA_VISIBLE_DEVICES), "
+        "or pass --device cpu")
 
 
 def test_a_slow_rank_0_still_prints_the_error_line(tmp_path, monkeypatch):
