@@ -280,12 +280,16 @@ def test_a_rank_that_sees_one_gpu_uses_cuda_0(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw["device_id"])))
+    # the GPU's timers and numerics (torch's global switches: faked here, they would outlive the test)
+    monkeypatch.setattr(distributed.timers, "use_device", lambda device: calls.append(("timers", device)))
+    monkeypatch.setattr(distributed, "set_numerics", lambda args, use_cuda: calls.append(("numerics", use_cuda)))
     state = torch.get_rng_state()
     try:
         assert distributed.setup(parse_args("ddp", None, TINY)) == (1, 2, torch.device("cuda", 0))
     finally:
         torch.set_rng_state(state)
-    assert calls == [("set_device", torch.device("cuda", 0)), ("nccl", torch.device("cuda", 0))]
+    assert calls == [("set_device", torch.device("cuda", 0)), ("numerics", True), ("timers", torch.device("cuda", 0)),
+                     ("nccl", torch.device("cuda", 0))]
 
 
 @pytest.mark.parametrize("count,local_rank,local_world,visible,expected", [
