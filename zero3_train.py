@@ -9,7 +9,7 @@ state, runs AdamW on them and all-reduces their gradients once a step.
 Memory per rank, fp32 (AdamW state: 8 bytes an element):
   stage 1:  4P params + 4P grads + 8P_own.
   stage 2:  4P params + 4P_own grads + 8P_own, plus the non-owned gradients whose reduce is in
-            flight.
+            flight: at most --reduce_bucket_mb of them (or one gradient, when it is larger).
   stage 3:  16P/N (owned params, grads, AdamW state) + the non-owned tensors fetched at the moment
             (a module or two).
 What moves:
@@ -17,8 +17,9 @@ What moves:
             ddp_train.py; AdamW steps the owned tensors only, then each owner broadcasts them (one
             message per owner: its tensors are views of one flat buffer).
   stage 2:  each gradient goes to its owner with an async reduce as soon as backward has
-            accumulated it, on every micro-step; a non-owner drops it at once. After the step,
-            broadcasts from the owners as in stage 1.
+            accumulated it, on every micro-step; a non-owner drops it once the reduce is waited for,
+            the oldest first when --reduce_bucket_mb would be exceeded. After the step, broadcasts
+            from the owners as in stage 1.
   stage 3:  stage 2's reduces, and no broadcast after the step: before each module's forward its
             tensors are broadcast from their owners (one message per owner), the next module's
             already in flight (--prefetch); after it the non-owners free them, unless used again
@@ -52,6 +53,7 @@ Run:
 import os
 import time
 import weakref
+from collections import deque
 from functools import partial
 
 import torch
@@ -352,12 +354,14 @@ class ReduceToOwner:
     backward; `sync_persistent = False` before accumulating only. `owner`: {parameter: rank, None
     if persistent}; `masters`: {kept parameter: the fp32 tensor AdamW updates here}."""
 
-    def __init__(self, owner, rank, masters):
+    def __init__(self, owner, rank, masters, reduce_bucket_bytes):
         self.owner = owner
         self.masters = masters
         self.owned = [masters[p] for p, r in owner.items() if r == rank]
         self.persistent = [masters[p] for p, r in owner.items() if r is None]
-        self.reduces = []  # (gradient, its in-flight reduce or all-reduce)
+        self.reduces = deque()  # (gradient, its in-flight reduce or all-reduce), oldest first
+        self.in_flight = 0  # the bytes of those gradients
+        self.window = reduce_bucket_bytes  # --reduce_bucket_mb: the most bytes in flight
         self.sync_persistent = True
         for p in owner:
             p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -376,18 +380,34 @@ class ReduceToOwner:
                     master.grad = grad
                 else:
                     grad = master.grad.add_(grad)  # the sum so far goes to the reduce
+        if self.owner[p] is None and not self.sync_persistent:
+            return  # a replicated gradient only accumulates on this micro-step
+        # A bounded window (DeepSpeed's reduce_bucket_size): while this gradient would put more
+        # than `window` bytes in flight, wait for the oldest reduce and drop its gradient. Waiting
+        # only on is_completed() would free nothing on CUDA, where the host runs ahead of the
+        # kernels: every gradient would stay until finish_backward, as many bytes as DDP's.
+        nbytes = grad.numel() * grad.element_size()
+        while self.reduces and self.in_flight + nbytes > self.window:
+            self._wait_oldest()
         if self.owner[p] is not None:
-            self.reduces.append((grad, dist.reduce(grad, dst=self.owner[p], async_op=True)))
-        elif self.sync_persistent:  # replicated tensor: sum every rank's gradient on every rank
-            self.reduces.append((grad, dist.all_reduce(grad, async_op=True)))
-        self.reduces = [(g, work) for g, work in self.reduces if not work.is_completed()]  # sent
+            work = dist.reduce(grad, dst=self.owner[p], async_op=True)
+        else:  # replicated tensor: sum every rank's gradient on every rank
+            work = dist.all_reduce(grad, async_op=True)
+        self.reduces.append((grad, work))
+        self.in_flight += nbytes
+
+    def _wait_oldest(self):
+        # On CUDA, wait() makes the compute stream wait for the reduce; the gradient's memory
+        # returns to the allocator for the kernels queued after that point.
+        grad, work = self.reduces.popleft()
+        with timers("reduce_wait"):  # exposed communication: what the overlap did not hide
+            work.wait()
+        self.in_flight -= grad.numel() * grad.element_size()
 
     def finish_backward(self):
         """Wait for the gradient reduces; afterwards no rank holds a non-owned gradient."""
-        with timers("reduce_wait"):
-            for _, work in self.reduces:
-                work.wait()
-        self.reduces = []
+        while self.reduces:
+            self._wait_oldest()
 
 
 class ZeRO2(ZeRO1):
@@ -396,7 +416,8 @@ class ZeRO2(ZeRO1):
     sharded = "AdamW state and gradients"
 
     def reduce_gradients(self):
-        self.reducer = ReduceToOwner(self.owner, self.rank, self.masters)
+        window = int(self.args.reduce_bucket_mb * 2**20)  # bytes
+        self.reducer = ReduceToOwner(self.owner, self.rank, self.masters, window)
 
     def forward_backward(self, x, y, sync):
         """One micro-step; returns its loss. sync=False: persistent gradients only accumulate."""
@@ -612,11 +633,16 @@ def add_zero3_flags(group):
     group.add_argument("--max_reuse_distance", type=int, default=10**9,  # DeepSpeed's default
                        help="keep a fetched tensor used again within this many fetched elements "
                             "(0: always free)")
+    # Default: stage 1's bucket (DDP's 25 MiB): stage 2 holds at most one DDP bucket of gradients
+    # in flight beyond its own, and its reduces overlap backward as long as DDP's all-reduces do.
+    group.add_argument("--reduce_bucket_mb", type=float, default=ZeRO1.bucket_cap_mb,
+                       help="stages 2, 3: the most gradient bytes in flight to their owners; "
+                            "more waits for the oldest reduce (DeepSpeed's reduce_bucket_size)")
 
 
 def check_zero3_args(args, world_size):
     """Bad input ends every rank with one line, before anything is built. Returns the DP size."""
-    for flag in ("persistence_threshold", "max_reuse_distance"):
+    for flag in ("persistence_threshold", "max_reuse_distance", "reduce_bucket_mb"):
         if getattr(args, flag) < 0:
             die(f"--{flag}: must be >= 0, got {getattr(args, flag)}")
     if args.stage == 2 and args.implementation == "pytorch":  # see the README's design notes
@@ -627,7 +653,11 @@ def check_zero3_args(args, world_size):
     for flag, default in stage_3_only.items():
         if args.stage < 3 and getattr(args, flag) != default:
             die(f"--{flag}: {str(getattr(args, flag)).lower()} applies to --stage 3 only")
-    custom_only = dict(prefetch=True, persistence_threshold=0, max_reuse_distance=10**9)
+    window = ZeRO1.bucket_cap_mb  # --reduce_bucket_mb's default
+    if args.stage == 1 and args.reduce_bucket_mb != window:  # stage 1 all-reduces DDP's buckets
+        die(f"--reduce_bucket_mb: {args.reduce_bucket_mb:g} applies to --stage 2 and 3 only")
+    custom_only = dict(prefetch=True, persistence_threshold=0, max_reuse_distance=10**9,
+                       reduce_bucket_mb=window)
     for flag, default in custom_only.items():  # FSDP2 shards every tensor, prefetches, frees
         if args.implementation == "pytorch" and getattr(args, flag) != default:
             die(f"--{flag}: {str(getattr(args, flag)).lower()} is only supported by "

@@ -5,7 +5,9 @@ stages 1 and 2 and stage 1's peer (DDP + ZeroRedundancyOptimizer): one step equa
 communication ledgers, the peer's consolidated checkpoint; resume across the stages."""
 import re
 import shutil
+import weakref
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from common.config import parse_args
 from common.data import get_batch
 from common.metrics import held_bytes, model_state_bytes
 from common.model import GPT, PRESETS, GPTConfig, configure_optimizer, init_tensor, num_params
-from zero3_train import (STAGES, GradientBuckets, ParamFetcher, ReduceToOwner, ZeRO1, ZeRO3, add_zero3_flags,
+from zero3_train import (STAGES, GradientBuckets, ParamFetcher, ReduceToOwner, ZeRO1, ZeRO2, ZeRO3, add_zero3_flags,
                          gather_full_state, materialize_owned_, partition)
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)  # wte is 97% of P
@@ -38,7 +40,7 @@ def _build(rank, world_size, config, threshold, prefetch=True, reuse=0, dtype=to
     values = {n: init_tensor(n, p.shape, config, 0) for n, p in model.named_parameters() if owner[n] in (None, rank)}
     masters = materialize_owned_(model, owner, rank, values, torch.device("cpu"), dtype)
     by_param = {p: owner[n] for n, p in model.named_parameters()}
-    reducer = ReduceToOwner(by_param, rank, masters)
+    reducer = ReduceToOwner(by_param, rank, masters, 25 * 2**20)
     return model, reducer, ParamFetcher(model, by_param, rank, masters, prefetch, reuse)
 
 
@@ -111,6 +113,74 @@ def test_stage_1_buckets_need_no_rebuild(config):
     buckets._make_buckets(list(dict.fromkeys(buckets.ready_order)))  # what the rebuild would build
     assert [{id(p) for p in bucket.params} for bucket in buckets.buckets] == guess
     print(f"{num_params(model):,} params: {len(guess)} buckets of {ZeRO1.bucket_cap_mb} MiB")
+
+
+# ---- stages 2 and 3: the gradients in flight stay within --reduce_bucket_mb ------------------------------
+
+class HostRunsAhead:
+    """A reduce as the host sees it on CUDA: wait() returns at once (the stream waits, not the host) and the host,
+    ahead of the kernels, never finds it completed. It holds the tensor, as NCCL's work does until waited for."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def is_completed(self):
+        return False
+
+    def wait(self):
+        return True
+
+
+def _in_flight(monkeypatch, window_bytes):
+    """Rank 0 of 2 in stage 2 (the whole BALANCED model; ReduceToOwner over it), one backward with every collective
+    a HostRunsAhead. Returns, at each collective issued: its (dst, bytes) and the bytes of the non-owned gradients
+    still alive then (the one handed over included); the non-owned bytes alive after finish_backward; their total."""
+    model = GPT(BALANCED, seed=0)
+    owner, _ = partition(_shapes(BALANCED), 2, 0)
+    by_param = {p: owner[n] for n, p in model.named_parameters()}
+    masters = {p: p for p, r in by_param.items() if r in (None, 0)}  # stage 2: the model is its own masters
+    nonowned = weakref.WeakSet()  # the gradients sent to rank 1, while anything holds them
+    issued, alive = [], []
+
+    def collective(tensor, dst=None, async_op=False):
+        if dst not in (None, 0):
+            nonowned.add(tensor)
+        issued.append((dst, held_bytes([tensor])))
+        alive.append(held_bytes(nonowned))
+        return HostRunsAhead(tensor)
+
+    monkeypatch.setattr(dist, "reduce", collective)
+    monkeypatch.setattr(dist, "all_reduce", collective)
+    reducer = ReduceToOwner(by_param, 0, masters, window_bytes)
+    x, y = _rows(0, 2, BALANCED)
+    model(x, y)[1].backward()
+    reducer.finish_backward()
+    total = sum(4 * p.numel() for p, r in by_param.items() if r == 1)
+    return issued, alive, held_bytes(nonowned), total
+
+
+@pytest.mark.parametrize("window_mb", [0, 0.1, 1])
+def test_gradients_in_flight_stay_within_the_reduce_window(monkeypatch, window_mb):
+    """On CUDA the host runs ahead of the kernels, so a reduce is rarely completed when the next gradient is ready:
+    released only once completed, every non-owned gradient stayed until finish_backward, as many bytes as DDP holds.
+    With the window, the bytes alive never exceed --reduce_bucket_mb, or one gradient alone when it is larger; the
+    same collectives go out in the same order, and a window over the total waits for none early."""
+    window = int(window_mb * 2**20)
+    issued, alive, after, total = _in_flight(monkeypatch, window)
+    largest = max(nbytes for dst, nbytes in issued if dst == 1)
+    assert max(alive) <= max(window, largest), (max(alive), window, largest)
+    assert after == 0, "after finish_backward no non-owned gradient is held"
+    assert issued == _in_flight(monkeypatch, 2**40)[0]
+    if window >= total:
+        assert max(alive) == total  # nothing waited for before finish_backward
+    print(f"window {window:,} B: at most {max(alive):,} of {total:,} B of non-owned gradients alive")
+
+
+def test_reduce_bucket_mb_is_the_window():
+    strategy = SimpleNamespace(args=parse_args("zero3", add_zero3_flags, ["--reduce_bucket_mb", "0.5"]), owner={},
+                               rank=0, masters={})
+    ZeRO2.reduce_gradients(strategy)  # what stages 2 and 3 build
+    assert strategy.reducer.window == 2**19
 
 
 # ---- every distributed check runs in one pair of spawned gloo ranks (starting them is the slow part)
@@ -553,11 +623,14 @@ def test_stage_2_has_no_pytorch_peer_and_stage_3_flags_need_stage_3(tmp_path, mo
     assert error.startswith("error: --stage: 2 has no PyTorch peer")
     error = refusal("zero3_train.py", None, args + ["--stage", "1", "--max_reuse_distance", "0"], monkeypatch, capsys)
     assert error == "error: --max_reuse_distance: 0 applies to --stage 3 only"
+    error = refusal("zero3_train.py", None, args + ["--stage", "1", "--reduce_bucket_mb", "10"], monkeypatch, capsys)
+    assert error == "error: --reduce_bucket_mb: 10 applies to --stage 2 and 3 only"
 
 
 BAD_INPUT = [(["--prefetch", "false"], "--prefetch: false"),
              (["--persistence_threshold", "1000"], "--persistence_threshold: 1000"),
-             (["--max_reuse_distance", "0"], "--max_reuse_distance: 0")]
+             (["--max_reuse_distance", "0"], "--max_reuse_distance: 0"),
+             (["--reduce_bucket_mb", "10"], "--reduce_bucket_mb: 10.0")]
 
 
 @pytest.mark.parametrize("flags,named", BAD_INPUT, ids=[" ".join(f) for f, _ in BAD_INPUT])
@@ -567,8 +640,9 @@ def test_flags_that_do_not_apply_give_one_clear_error(flags, named, tmp_path, mo
         f"error: {named} is only supported by --implementation custom"
 
 
-@pytest.mark.parametrize("flag", ["--persistence_threshold", "--max_reuse_distance"])
-def test_negative_sizes_give_one_clear_error(flag, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("flag,shown", [("--persistence_threshold", "-1"), ("--max_reuse_distance", "-1"),
+                                        ("--reduce_bucket_mb", "-1.0")])
+def test_negative_sizes_give_one_clear_error(flag, shown, tmp_path, monkeypatch, capsys):
     error = refusal("zero3_train.py", None, TINY + ["--max_iters", "2", flag, "-1", "--out_dir", str(tmp_path)],
                     monkeypatch, capsys)
-    assert error == f"error: {flag}: must be >= 0, got -1"
+    assert error == f"error: {flag}: must be >= 0, got {shown}"
