@@ -50,10 +50,16 @@ def load_file(path):
 
 
 def load_sharded(path, rank, device):
-    """This rank's units [{local_shard, AdamW state}] from the save the manifest at path names."""
+    """This rank's units [{local_shard, AdamW state}] from the save the manifest at path names, on
+    `device`; AdamW's `step` stays a CPU tensor, as torch keeps it (its Optimizer.load_state_dict
+    moves it only for a fused or capturable AdamW, which the scripts do not use)."""
     manifest, _ = load_file(os.path.join(path, "manifest.pt"))
     file = os.path.join(path, manifest["folder"], f"rank{rank}.pt")
-    return torch.load(file, map_location=device, weights_only=True)["units"]
+    units = torch.load(file, map_location="cpu", weights_only=True)["units"]
+    on_device = []
+    for unit in units:
+        on_device.append({k: v if k == "step" else v.to(device) for k, v in unit.items()})
+    return on_device
 
 
 def check_sharded(args, rank, world_size):

@@ -446,6 +446,20 @@ def sharded_saves(tmp_path_factory):
     return saves
 
 
+def test_resume_sharded_keeps_adamw_step_on_the_cpu_as_torch_does(sharded_saves):
+    """--resume_sharded puts the shards and moments on the run's device, and AdamW's step where torch's own
+    load_state_dict leaves it: on the CPU (only a fused or capturable AdamW moves it). The meta device stands in for
+    the GPU: loaded with map_location=device, the step went there."""
+    units = common.sharded_checkpoint.load_sharded(str(sharded_saves[1, 1337]), 0, torch.device("meta"))
+    assert all(u["local_shard"].is_meta and u["exp_avg"].is_meta and u["exp_avg_sq"].is_meta for u in units)
+    saved = torch.load(_rank_file(sharded_saves[1, 1337], 0), weights_only=True)["units"][0]  # as written
+    param = torch.nn.Parameter(torch.empty(saved["local_shard"].shape, device="meta"))
+    adamw = torch.optim.AdamW([param])  # torch's convention: load its state onto a parameter on the device
+    adamw.load_state_dict({"state": {0: saved}, "param_groups": adamw.state_dict()["param_groups"]})
+    assert adamw.state[param]["exp_avg"].is_meta and adamw.state[param]["step"].device == torch.device("cpu")
+    assert all(u["step"].device == torch.device("cpu") and torch.equal(u["step"], saved["step"]) for u in units)
+
+
 def _mix(saves, sharded, other):  # rank 1's file of another save put into the published folder
     shutil.copy(_rank_file(saves[other], 1), _rank_file(sharded, 1))
 
