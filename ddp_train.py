@@ -27,7 +27,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from common.checkpoint import checkpoint, optimizer_state_by_name, resume, set_adamw_state
+from common.checkpoint import (checkpoint, model_state_on_cpu, optimizer_state_by_name, resume,
+                               set_adamw_state)
 from common.config import check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
@@ -196,10 +197,12 @@ class DDP:
         return clip_grad_norm_(None, [p.grad for p in self.model.parameters()], max_norm)
 
     def full_state(self, optimizer):
-        """Every rank holds the full model, so nothing is gathered: rank 0's state is the
-        checkpoint."""
+        """Every rank holds the full model, so nothing is gathered: rank 0 copies its state into
+        its CPU memory, one tensor at a time, and the other ranks keep nothing."""
+        if dist.get_rank() != 0:
+            return None, None
         named = self.model.named_parameters()
-        return self.model.state_dict(), optimizer_state_by_name(named, optimizer)
+        return model_state_on_cpu(self.model), optimizer_state_by_name(named, optimizer)
 
     def describe(self):
         n_buckets = len(self.buckets.buckets)

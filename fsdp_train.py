@@ -294,7 +294,10 @@ class FSDP:
         return clip_grad_norm_([u.local_shard.grad[:u.valid] for u in self.units], [], max_norm)
 
     def full_state(self, optimizer):
-        """The full model state_dict and AdamW state by name, gathered: complete on every rank."""
+        """The full model state_dict and AdamW state by name in rank 0's CPU memory (None
+        elsewhere): one flat tensor of one unit gathered at a time, as forward gathers it, and
+        copied to the CPU by rank 0 before the next; the other ranks keep nothing."""
+        rank0 = dist.get_rank() == 0
         tensors, optim = {}, {}
         for unit in self.units:
             state = optimizer.state.get(unit.local_shard, {})
@@ -304,14 +307,18 @@ class FSDP:
                 gathered = shard.new_empty(unit.numel + unit.padding)
                 # every rank's shard to every rank, in rank order: (N-1) x shard_size x 4 bytes in
                 all_gather_single(gathered, shard.contiguous())
+                if not rank0:
+                    continue
                 pieces = gathered.split(unit.numels + [unit.padding])
                 for (names, shape, _), piece in zip(unit.tensors, pieces):
-                    value = piece.view(shape).cpu()
+                    value = piece.view(shape).to("cpu", copy=True)
                     if key == "param":
-                        tensors.update({name: value.clone() for name in names})  # both tied names
+                        tensors.update(dict.fromkeys(names, value))  # both tied names: one copy
                     else:
-                        moments = optim.setdefault(names[0], {"step": state["step"].clone()})
-                        moments[key] = value.clone()
+                        step = state["step"].to("cpu", copy=True)
+                        optim.setdefault(names[0], {"step": step})[key] = value
+        if not rank0:
+            return None, None
         return {k: tensors[k] for k in self.state_keys}, optim
 
     def describe(self):

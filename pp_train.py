@@ -659,26 +659,37 @@ def main(argv=None):
 # ---- checkpoint: the stages' tensors gathered into one full checkpoint ---------------------
 
 def gather_full_state(pipe, optimizer):
-    """Every rank sends its tensors and AdamW state, by GPT name, to rank 0 (gather_object: the
-    whole model once over the wire). The copy of wte stays: lm_head.weight is written from wte, as
-    in a tied GPT."""
-    named = [(n, q) for n, q in pipe.named_parameters() if n != "lm_head.weight"]
-    my_params = {n: q.detach().cpu() for n, q in named}
-    my_states = {}
-    for n, q in named:
-        if q in optimizer.state:
-            my_states[n] = {}
-            for key, value in optimizer.state[q].items():
-                my_states[n][key] = value.detach().cpu() if torch.is_tensor(value) else value
-    gathered = [None] * pipe.pp_size if pipe.rank == 0 else None
-    dist.gather_object((my_params, my_states), gathered, dst=0)
+    """The full checkpoint's dicts, by GPT name, in rank 0's CPU memory (None elsewhere), one
+    tensor at a time: each rank tells rank 0 what it holds (names and shapes: one small object),
+    then sends its parameters and their AdamW state, one message each, in that order; rank 0
+    receives each into a buffer on its device and copies it to the CPU before the next. The copy
+    of wte stays: lm_head.weight is written from wte, as in a tied GPT."""
+    mine = []  # (name, "param" or an AdamW state key, tensor), in sending order
+    for name, q in pipe.named_parameters():
+        if name == "lm_head.weight":
+            continue
+        mine.append((name, "param", q.detach()))
+        for key, value in optimizer.state.get(q, {}).items():  # step: a CPU tensor
+            mine.append((name, key, value.to(pipe.device)))
+    layouts = [None] * pipe.pp_size if pipe.rank == 0 else None
+    dist.gather_object([(n, k, v.shape, v.dtype) for n, k, v in mine], layouts, dst=0)
     if pipe.rank != 0:
+        for _, _, value in mine:
+            dist.send(value, dst=0)
         return None, None
     params = {}
     states = {}
-    for rank_params, rank_states in gathered:
-        params.update(rank_params)
-        states.update(rank_states)
+    for r, layout in enumerate(layouts):
+        for i, (name, key, shape, dtype) in enumerate(layout):
+            if r == 0:
+                value = mine[i][2]
+            else:
+                value = torch.empty(shape, dtype=dtype, device=pipe.device)
+                dist.recv(value, src=r)
+            if key == "param":
+                params[name] = value.to("cpu", copy=True)
+            else:
+                states.setdefault(name, {})[key] = value.to("cpu", copy=True)
     model = {}
     for name in GPT(pipe.config, device="meta").state_dict():
         model[name] = params[WTE_NAME if name == "lm_head.weight" else name]

@@ -660,26 +660,34 @@ class TensorParallel:
         return clip_grad_norm_(sharded, replicated, max_norm, self.tp_group)
 
     def full_state(self, optimizer):
-        """Collective: every tensor gathered from the TP group, full format, on every rank."""
+        """Collective: the full format in rank 0's CPU memory (None elsewhere). Every tensor is
+        gathered from its TP group, one at a time, and rank 0 copies it to the CPU before the
+        next; the other ranks keep nothing."""
+        rank0 = dist.get_rank() == 0
         named = list(self.model.named_parameters())
-        model = {name: self.full_tensor(name, p.detach()) for name, p in named}
-        model["lm_head.weight"] = model["transformer.wte.weight"]  # tied; last, as in GPT's
+        model = {}
+        for name, p in named:
+            value = self.full_tensor(name, p.detach())
+            if rank0:
+                model[name] = value.to("cpu", copy=True)
         optim = {}
         for name, p in named:
-            if p not in optimizer.state:
-                continue
-            optim[name] = {}
-            for key, value in optimizer.state[p].items():
-                if torch.is_tensor(value) and value.dim():  # exp_avg, exp_avg_sq (not step)
+            for key, value in optimizer.state.get(p, {}).items():
+                if value.dim():  # exp_avg, exp_avg_sq (not step, a CPU scalar)
                     value = self.full_tensor(name, value)
-                optim[name][key] = value
+                if rank0:
+                    optim.setdefault(name, {})[key] = value.to("cpu", copy=True)
+        if not rank0:
+            return None, None
+        model["lm_head.weight"] = model["transformer.wte.weight"]  # tied; last, as in GPT's
         return model, optim
 
     def full_tensor(self, name, tensor):
+        """The whole tensor, on this rank's device: a sharded one all-gathered from the TP group."""
         if shard_dim(name) is not None:  # every rank sends its shard to every other rank
             shards = all_gather(tensor, self.tp_group, dim=0).chunk(self.tp_size)
             tensor = unshard(name, list(shards))
-        return tensor.cpu()
+        return tensor
 
     def describe(self):
         grid = f"DP {len(self.grid)} x TP {self.tp_size} grid {self.grid.tolist()} (row = TP group)"

@@ -749,33 +749,35 @@ def main(argv=None):
 
 @torch.no_grad()
 def gather_full_state(model, optimizer, owner, masters):
-    """The full checkpoint's model and optimizer dicts on rank 0 (None elsewhere), which holds the
-    whole model meanwhile: each owner sends it its param, exp_avg, exp_avg_sq and step in one
-    tensor (4 x (3 numel + 1) bytes). `owner`: {parameter: rank, None if persistent};
-    `masters`: {parameter: the tensor AdamW updates here}."""
+    """The full checkpoint's model and optimizer dicts in rank 0's CPU memory (None elsewhere),
+    one tensor at a time: each owner sends rank 0 its fp32 master, exp_avg and exp_avg_sq (4 x numel
+    bytes each) and step (4 bytes); rank 0 receives each into a buffer on its device and copies it
+    to the CPU before the next, so no device holds more than one tensor beyond its training state.
+    `owner`: {parameter: rank, None if persistent}; `masters`: {parameter: the tensor AdamW
+    updates here}."""
     rank = dist.get_rank()
     params = {}
     optim = {}
     for name, p in model.named_parameters():
         src = 0 if owner[p] is None else owner[p]  # a persistent tensor: rank 0's copy
-        n = p.numel()
-        if rank == src:  # the fp32 master and its AdamW state
-            m = masters[p]
-            s = optimizer.state[m]
-            parts = (m, s["exp_avg"], s["exp_avg_sq"], s["step"])
-            packed = torch.cat([part.flatten().to(m) for part in parts])
-        elif rank == 0:
-            packed = torch.empty(3 * n + 1, device=p.device)
-        if src != 0 and rank == src:
-            dist.send(packed, dst=0)
-        elif src != 0 and rank == 0:
-            dist.recv(packed, src=src)
+        if rank not in (0, src):
+            continue
+        full = {}
+        for key in ("param", "exp_avg", "exp_avg_sq", "step"):
+            if rank == src:  # the fp32 master and its AdamW state (step: a CPU tensor)
+                state = optimizer.state[masters[p]]
+                value = masters[p] if key == "param" else state[key].to(p.device, torch.float32)
+            else:  # rank 0 receives it
+                shape = () if key == "step" else p.shape
+                value = torch.empty(shape, dtype=torch.float32, device=p.device)
+                dist.recv(value, src=src)
+            if rank != 0:
+                dist.send(value, dst=0)
+            else:
+                full[key] = value.to("cpu", copy=True)
         if rank == 0:
-            chunks = packed[:3 * n].chunk(3)
-            param, exp_avg, exp_avg_sq = (chunk.view_as(p).clone() for chunk in chunks)
-            params[p] = param
-            step = packed[3 * n].cpu().clone()
-            optim[name] = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+            params[p] = full.pop("param")
+            optim[name] = full
     if rank != 0:
         return None, None
     by_key = model.state_dict(keep_vars=True)  # both tied keys

@@ -212,8 +212,21 @@ def set_adamw_state(optimizer, param, state, local):
     optimizer.state[param] = {k: v.clone() if k == "step" else local(v) for k, v in state.items()}
 
 
+def model_state_on_cpu(model):
+    """model.state_dict() copied into this process's CPU memory, one tensor at a time, each
+    parameter once: the tied wte/lm_head's two names share one copy, as in the model."""
+    copies = {}  # parameter -> its CPU copy
+    state = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if value not in copies:
+            copies[value] = value.detach().to("cpu", copy=True)
+        state[name] = copies[value]
+    return state
+
+
 def optimizer_state_by_name(named_params, optimizer):
-    """AdamW state keyed by parameter name (the full format) instead of by position."""
+    """AdamW state keyed by parameter name (the full format) instead of by position, copied into
+    this process's CPU memory one tensor at a time."""
     by_name = {}
     for name, p in named_params:
         if p not in optimizer.state:
@@ -221,7 +234,7 @@ def optimizer_state_by_name(named_params, optimizer):
         state = {}
         for key, value in optimizer.state[p].items():
             if torch.is_tensor(value):
-                value = value.detach().clone()
+                value = value.detach().to("cpu", copy=True)
             state[key] = value
         by_name[name] = state
     return by_name

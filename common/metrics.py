@@ -5,7 +5,8 @@ Lines of <out_dir>/metrics.jsonl (a fresh run truncates it, a resumed run append
   step:  {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_ms", "peak_mem_bytes"}
   eval:  {"step", "val_loss", "train_loss"}                      (no "loss" key)
   final: {"summary": true, "model_state_bytes", "peak_mem_bytes", "tokens_per_sec" (median),
-          "model_state_bytes_per_rank", "peak_mem_bytes_per_rank",
+          "model_state_bytes_per_rank", "peak_mem_bytes_per_rank" (at the last step, before the
+          final checkpoint), "checkpoint_peak_mem_bytes_per_rank" (after it, its gather included),
           "<timer>_ms_per_rank" (median per step of each named wait), ...}
 """
 import json
@@ -181,6 +182,7 @@ class Metrics:
         logged after the checkpoint by the interrupted run, and its summary), and append."""
         self.enabled = enabled
         self.tokens_per_sec = []
+        self.peak_mem_bytes = None  # at the last step: the training's, before the final checkpoint
         timers.start_step()
         self.file = None
         self.writer = None
@@ -224,9 +226,10 @@ class Metrics:
 
     def step(self, step, loss, lr, grad_norm, tokens, seconds, device, log_interval):
         timers.end_step()
+        self.peak_mem_bytes = peak_mem_bytes(device)
         record = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
                       tokens_per_sec=tokens / seconds, step_ms=1000 * seconds,
-                      peak_mem_bytes=peak_mem_bytes(device))
+                      peak_mem_bytes=self.peak_mem_bytes)
         self.log(record)
         if self.enabled and (step % log_interval == 0):
             print(f"iter {step}: loss {loss:.4f}, lr {lr:.2e}, norm {grad_norm:.3f}, "
@@ -243,10 +246,14 @@ class Metrics:
     def summary(self, model_state_bytes, device, run=None, **extra):
         """Collective: every rank's model state, peak memory, timer medians and `extra` values are
         gathered, and rank 0 writes them as lists (<key>_per_rank) in the summary line; `run`:
-        values of the whole run (rank 0's), written under their own names."""
+        values of the whole run (rank 0's), written under their own names. Called after the final
+        checkpoint: peak_mem_bytes is the training's, measured at the last step, and
+        checkpoint_peak_mem_bytes the peak now, the checkpoint's gather included."""
         timer_ms = {f"{k}_ms": round(v, 3) for k, v in timers.medians_ms().items()}
-        mine = dict(model_state_bytes=model_state_bytes, peak_mem_bytes=peak_mem_bytes(device),
-                    **timer_ms, **extra)
+        now = peak_mem_bytes(device)
+        training = now if self.peak_mem_bytes is None else self.peak_mem_bytes  # None: no step run
+        mine = dict(model_state_bytes=model_state_bytes, peak_mem_bytes=training,
+                    checkpoint_peak_mem_bytes=now, **timer_ms, **extra)
         if activations.measured:
             mine["saved_activation_bytes"] = activations.bytes
         ranks = [None] * dist.get_world_size()

@@ -142,4 +142,4 @@ class TorchTP:
             t = t.full_tensor()
             if "c_attn" in name:
                 t = self.head_ordered(name, t)
-        return t.cpu()
+        return t

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from common.checkpoint import set_adamw_state
+from common.checkpoint import model_state_on_cpu, set_adamw_state
 from common.distributed import autocast, clip_grad_norm_
 from common.model import GPT, configure_optimizer, init_tensor, num_params
 
@@ -64,10 +64,22 @@ class TorchZeRO3:
         return clip_grad_norm_([p.grad.to_local() for p in self.model.parameters()], [], max_norm)
 
     def full_state(self, optimizer):
-        model_state = {k: full_tensor(v) for k, v in self.model.state_dict().items()}
+        """Every DTensor all-gathered whole on every rank (full_tensor(): a collective), one at a
+        time; rank 0 copies each into its CPU memory before the next, the other ranks keep
+        nothing. The tied wte/lm_head is one parameter: gathered once, one copy under both names."""
+        rank0 = dist.get_rank() == 0
+        copies = {}  # parameter -> its full value on rank 0's CPU
+        model_state = {}
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            if value not in copies:
+                copies[value] = on_rank0_cpu(full_tensor(value), rank0)
+            model_state[name] = copies[value]
         optimizer_state = {}
         for name, p in self.model.named_parameters():
-            optimizer_state[name] = {k: full_tensor(v) for k, v in optimizer.state[p].items()}
+            state = optimizer.state[p]
+            optimizer_state[name] = {k: on_rank0_cpu(full_tensor(v), rank0) for k, v in state.items()}
+        if not rank0:
+            return None, None
         return model_state, optimizer_state
 
     def describe(self):
@@ -76,10 +88,17 @@ class TorchZeRO3:
 
 
 def full_tensor(value):
-    """A DTensor all-gathered whole (a collective); a plain tensor (AdamW's step) copied."""
+    """A DTensor all-gathered whole (a collective); a plain tensor (AdamW's step) as it is."""
     if isinstance(value, DTensor):
         return value.full_tensor()
-    return value.detach().clone()
+    return value.detach()
+
+
+def on_rank0_cpu(value, rank0):
+    """A copy of `value` in rank 0's CPU memory; None on the other ranks."""
+    if rank0:
+        return value.to("cpu", copy=True)
+    return None
 
 
 class TorchZeRO1:
@@ -131,7 +150,7 @@ class TorchZeRO1:
         state = optimizer.state_dict()["state"]  # by position in param_groups
         names = {p: n for n, p in self.model.named_parameters()}
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        return self.model.state_dict(), {names[p]: state[i] for i, p in enumerate(params)}
+        return model_state_on_cpu(self.model), {names[p]: state[i] for i, p in enumerate(params)}
 
     def describe(self):
         n = num_params(self.model) / 1e6

@@ -11,12 +11,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 # What PyTorch's own implementations need beyond the floor (common.config.TORCH_FLOOR), as the scripts refuse
 # it: (script, implementation, dtype) -> torch version. Tests of those runs are skipped on an older torch.
@@ -225,6 +228,51 @@ def shared_run(tmp_path_factory):
             runs[key] = out_dir, result
         return runs[key]
     return get
+
+
+def _plain(t):
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+class DeviceMemory(TorchDispatchMode):
+    """A GPU's memory modelled on the CPU: inside it, every tensor an op allocates counts as device memory, except
+    the copies `.to("cpu", copy=True)` makes (aten._to_copy to the CPU), which are CPU memory (is_cpu_copy tells
+    them). A tensor counts until Python frees it; `peak`: the most device bytes alive at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive = 0
+        self.peak = 0
+        self.cpu_copies = {}  # id -> weak reference
+
+    def _freed(self, nbytes):
+        self.alive -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if _plain(t)}
+        for t in tree_flatten(out)[0]:
+            if not _plain(t) or t.untyped_storage().data_ptr() in inputs:
+                continue  # a view or an in-place result: no new memory (a DTensor: its local ops count)
+            if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
+                self.cpu_copies[id(t)] = weakref.ref(t)
+                continue
+            nbytes = t.untyped_storage().nbytes()
+            self.alive += nbytes
+            self.peak = max(self.peak, self.alive)
+            weakref.finalize(t, self._freed, nbytes)
+        return out
+
+    def is_cpu_copy(self, t):
+        ref = self.cpu_copies.get(id(t))
+        return ref is not None and ref() is t
+
+
+def cpu_copies_only(memory, *states):
+    """True if every tensor in the (nested) dicts `states` is one of the CPU copies `memory` saw made."""
+    tensors = [t for t in tree_flatten(states)[0] if torch.is_tensor(t)]
+    return len(tensors) > 0 and all(memory.is_cpu_copy(t) for t in tensors)
 
 
 def free_port():

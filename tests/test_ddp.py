@@ -1,17 +1,19 @@
 """ddp_train.py: buckets, overlap bookkeeping, no_sync, equality with torch DDP, the single-process contract.
 (Bad input for every script: tests/test_reliability.py.)"""
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from conftest import TINY, launch, probe, read_metrics, spawn
+from conftest import TINY, DeviceMemory, cpu_copies_only, launch, probe, read_metrics, spawn
 from common.data import get_batch
 from common.distributed import all_gather_single
-from common.model import GPT, GPTConfig
-from ddp_train import GradientBuckets
+from common.model import GPT, GPTConfig, configure_optimizer
+from cp_train import ContextParallel
+from ddp_train import DDP, GradientBuckets
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 CAP_MB = 0.05  # small enough for several buckets in CONFIG
@@ -212,6 +214,30 @@ def test_bucket_layout_for_a_cap():
     assert len(GradientBuckets(GPT(CONFIG, seed=0), 1000).buckets) == 1
 
 
+@pytest.mark.parametrize("strategy", [DDP, ContextParallel], ids=["ddp", "cp"])  # cp's full_state: ddp's text
+def test_checkpoint_state_is_rank_0s_cpu_copy_one_tensor_at_a_time(strategy, monkeypatch):
+    """full_state on a GPU (modelled: DeviceMemory): rank 0 copies each tensor straight into its CPU memory, so the
+    device holds nothing more; the other ranks return nothing and copy nothing (they cloned the whole AdamW state
+    on their device, 8P bytes, and dropped it)."""
+    model = GPT(CONFIG, seed=0)
+    optimizer = configure_optimizer(model.named_parameters(), 0.1, 1e-3, (0.9, 0.95))
+    x, y = get_batch("train", 0, 2, CONFIG.block_size, seed=0)
+    model(x, y)[1].backward()
+    optimizer.step()
+    for rank in (1, 0):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+        with DeviceMemory() as memory:
+            state, optim = strategy.full_state(SimpleNamespace(model=model), optimizer)
+        assert memory.peak == 0, f"rank {rank} held {memory.peak:,} B more on its device"
+        assert rank == 0 or (state, optim) == (None, None)
+    assert cpu_copies_only(memory, state, optim)
+    assert state["lm_head.weight"] is state["transformer.wte.weight"]  # tied: one copy, as in the model
+    assert all(torch.equal(state[n], v) for n, v in model.state_dict().items())
+    named = dict(model.named_parameters())
+    assert all(torch.equal(optim[n][k], v) for n, s in optim.items() for k, v in optimizer.state[named[n]].items())
+    assert len(optim) == len(named)
+
+
 def test_single_process_run_writes_the_contract(tmp_path):
     result = launch("ddp_train.py", None, TINY + ["--max_iters", "3", "--eval_interval", "2", "--eval_iters", "1",
                                                   "--out_dir", str(tmp_path), "--tensorboard", "true"])
@@ -228,6 +254,9 @@ def test_single_process_run_writes_the_contract(tmp_path):
     # params + grads + AdamW exp_avg and exp_avg_sq (4 bytes each per element) + AdamW's fp32 step per tensor
     assert summary["model_state_bytes"] == 16 * sum(p.numel() for p in params) + 4 * len(params)
     assert summary["summary"] is True and summary["peak_mem_bytes"] > 0 and summary["tokens_per_sec"] > 0
+    # the summary's peak is the training's, measured at the last step; the final checkpoint's apart, after it
+    assert summary["peak_mem_bytes"] == steps[-1]["peak_mem_bytes"]
+    assert summary["checkpoint_peak_mem_bytes_per_rank"][0] >= summary["peak_mem_bytes"]
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     assert ckpt["step"] == 3 and "transformer.wte.weight" in ckpt["optimizer"]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from conftest import TINY, launch, read_metrics, refusal, spawn, the_one_error
+from conftest import TINY, DeviceMemory, cpu_copies_only, launch, read_metrics, refusal, spawn, the_one_error
 from common.config import parse_args
 from common.data import get_batch
 from common.distributed import all_gather_single, clip_grad_norm_, reduce_scatter_single, torch_name
@@ -284,9 +284,13 @@ def _checkpoint_round_trip(rank, world_size):
     x, y = get_batch("train", 0, 4, CONFIG.block_size, seed=0)
     strategy.forward_backward(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2], True)
     optimizer.step()  # so the weights differ from the init
-    model_state, optim_state = strategy.full_state(optimizer)
+    with DeviceMemory() as memory:  # on a GPU: what the gather holds on this rank's device
+        model_state, optim_state = strategy.full_state(optimizer)
+    unit = max(4 * (u.numel + u.padding) for u in strategy.units)  # the largest gathered unit's bytes
     with torch.no_grad():
         logits, _ = model(x)
+    if rank != 0:
+        return model_state, optim_state, memory.peak, unit
     plain = GPT(CONFIG, device="meta")  # ddp_train.py's model
     plain.load_state_dict(model_state, assign=True)
     plain.tie_weights()
@@ -295,13 +299,26 @@ def _checkpoint_round_trip(rank, world_size):
     moved = (model_state["transformer.h.0.attn.c_attn.weight"] - GPT(CONFIG, seed=0).transformer.h[0].attn.c_attn.weight).abs().max()
     return (torch.equal(logits, plain_logits), list(model_state) == keys, moved.item() > 0,
             sorted(optim_state) == sorted(n for n, _ in GPT(CONFIG, device="meta").named_parameters()),
-            tuple(optim_state["transformer.wte.weight"]["exp_avg"].shape))
+            tuple(optim_state["transformer.wte.weight"]["exp_avg"].shape), memory.peak, unit,
+            cpu_copies_only(memory, model_state, optim_state),
+            model_state["lm_head.weight"] is model_state["transformer.wte.weight"])
 
 
 def test_full_checkpoint_loads_into_the_plain_model_with_identical_logits(two_ranks):
-    for same_logits, same_keys, moved, optim_keys, shape in (r["checkpoint"] for r in two_ranks[0]):
-        assert same_logits and same_keys and moved and optim_keys
-        assert shape == (50304, 32)
+    same_logits, same_keys, moved, optim_keys, shape, *_ = two_ranks[0][0]["checkpoint"]
+    assert same_logits and same_keys and moved and optim_keys
+    assert shape == (50304, 32)
+
+
+def test_full_checkpoint_is_gathered_a_unit_at_a_time_into_rank_0s_cpu(two_ranks):
+    """On a GPU (modelled: DeviceMemory) each unit's flat tensor is all-gathered on every rank's device, as forward
+    gathers it, and rank 0 copies it to its CPU before the next: at most a gathered unit and the next one alive;
+    the other rank keeps nothing (every rank kept a full CPU copy of everything)."""
+    *_, peak, unit, cpu_only, tied = two_ranks[0][0]["checkpoint"]
+    assert cpu_only and tied  # the tied names share one copy, as in the model
+    model_state, optim_state, other, _ = two_ranks[0][1]["checkpoint"]
+    assert model_state is None and optim_state is None
+    assert peak <= 2 * unit and other <= 2 * unit, (peak, other, unit)
 
 
 def _tiny_unit(rank, world_size):

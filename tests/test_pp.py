@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pp_train
-from conftest import TINY, launch, read_metrics, refusal, spawn, step_losses
+from conftest import TINY, DeviceMemory, cpu_copies_only, launch, read_metrics, refusal, spawn, step_losses
 from common.config import parse_args
 from common.data import get_batch
 from common.model import GPT, GPTConfig
@@ -505,16 +505,25 @@ def _restore(rank, p):
     rows, head = model.head_rows(rank), dict(model.named_parameters())["lm_head.weight"]
     ok = torch.equal(head, model_state[WTE][rows]) and all(
         torch.equal(optimizer.state[head][k], optimizer_state[WTE][k][rows]) for k in ("exp_avg", "exp_avg_sq"))
-    model_back, optimizer_back = model.full_state(optimizer)
+    with DeviceMemory() as memory:  # on a GPU: what the gather holds on this rank's device
+        model_back, optimizer_back = model.full_state(optimizer)
+    largest = max(4 * t.numel() for t in model_state.values())
     if rank == 0:
         ok &= list(model_back) == list(model_state)
         ok &= all(torch.equal(model_back[n], t) for n, t in model_state.items())
         ok &= all(torch.equal(optimizer_back[n][k], s[k]) for n, s in optimizer_state.items() for k in s)
-    return ok
+        ok &= cpu_copies_only(memory, model_back, optimizer_back) and model_back["lm_head.weight"] is model_back[WTE]
+    else:
+        ok &= model_back is None and optimizer_back is None
+    return ok, memory.peak, largest
 
 
 def test_vocab_parallel_checkpoint_rows_round_trip():
-    assert spawn(_restore, 2) == [True, True]
+    """The checkpoint comes back on rank 0, gathered one tensor at a time into its CPU memory (modelled on CPU by
+    DeviceMemory: at most a received buffer and the next on its device); the other rank keeps nothing."""
+    (ok0, peak, largest), (ok1, other, _) = spawn(_restore, 2)
+    assert ok0 and ok1
+    assert peak <= 2 * largest and other <= 1024, (peak, other, largest)  # rank 1: the layout's message
 
 
 # ---- the script end to end ----------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import TINY, launch, probe, read_metrics, refusal, spawn
+from conftest import TINY, DeviceMemory, cpu_copies_only, launch, probe, read_metrics, refusal, spawn
 from common.data import get_batch
 from common.distributed import torch_name
 from common.model import GPT, GPTConfig
@@ -103,7 +103,8 @@ def _layers_equal_unsharded_sp(sp, overlap=False):
 def _unit_checks(rank, world_size):
     """Every in-process check on 2 gloo ranks in one spawn (starting ranks costs seconds)."""
     return dict(layers=_layers_equal_unsharded(rank, world_size), model=_model_equals_reference(rank, world_size),
-                counts=_count_all(rank, world_size), activations=_activation_bytes(rank, world_size))
+                counts=_count_all(rank, world_size), activations=_activation_bytes(rank, world_size),
+                checkpoint=_full_state_memory(rank, world_size))
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +119,41 @@ def test_each_parallel_layer_equals_the_unsharded_layer(unit):
             assert len(diffs) == 5
             for layer, diff in diffs.items():
                 assert diff <= 1e-6, (sp, layer, diff)
+
+
+BALANCED = GPTConfig(block_size=16, vocab_size=256, n_layer=4, n_head=4, n_embd=64)  # no dominant tensor
+
+
+def _full_state_memory(rank, world_size):
+    """full_state after one step on BALANCED, under DeviceMemory; for reference, every full tensor gathered."""
+    args = SimpleNamespace(tensor_parallel_size=2, sequence_parallel=False, loss_parallel=True, tp_overlap=False,
+                           seed=0, grad_accum_steps=1, dtype="float32", weight_decay=0.1, learning_rate=1e-3,
+                           beta1=0.9, beta2=0.95)
+    strategy = TensorParallel(BALANCED, args, torch.device("cpu"))
+    optimizer = strategy.configure_optimizer(args)
+    x, y = get_batch("train", 0, B, T, seed=0)
+    strategy.forward_backward(x % BALANCED.vocab_size, y % BALANCED.vocab_size, sync=True)
+    optimizer.step()
+    with DeviceMemory() as memory:
+        state, optim = strategy.full_state(optimizer)
+    reference = {n: strategy.full_tensor(n, p.detach()) for n, p in strategy.model.named_parameters()}
+    largest = max(4 * t.numel() for t in reference.values())
+    if rank != 0:
+        return state, optim, memory.peak, largest
+    same = all(torch.equal(state[n], t) for n, t in reference.items())
+    return same, cpu_copies_only(memory, state, optim), memory.peak, largest, sum(4 * t.numel() for t in reference.values())
+
+
+def test_full_state_gathers_a_tensor_at_a_time_into_rank_0s_cpu(unit):
+    """On a GPU (modelled: DeviceMemory) each tensor is all-gathered from the TP group and rank 0 copies it to its
+    CPU before the next: a few tensors alive at most, never the model (every rank kept every gathered tensor, and
+    the AdamW state's, on its device); the other rank keeps nothing."""
+    same, cpu_only, peak, largest, total = unit[0]["checkpoint"]
+    assert same and cpu_only
+    state, optim, other, _ = unit[1]["checkpoint"]
+    assert state is None and optim is None
+    assert max(peak, other) <= 3 * largest < total, (peak, other, largest, total)
+    print(f"device bytes alive at most: rank 0 {peak:,}, rank 1 {other:,}; largest tensor {largest:,} of {total:,}")
 
 
 def _model_equals_reference(rank, world_size):

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import CUT, PARITY, PARITY_STEPS, TINY, cut_args, launch, read_metrics, refusal, spawn, step_losses
+from conftest import (CUT, PARITY, PARITY_STEPS, TINY, DeviceMemory, cpu_copies_only, cut_args, launch, read_metrics,
+                      refusal, spawn, step_losses)
 from common.distributed import clip_grad_norm_
 from common.config import parse_args
 from common.data import get_batch
@@ -197,6 +198,7 @@ def _all_checks(rank, world_size):
             "communication_bf16": _communication(rank, world_size, *COMMUNICATION_CASES[0], torch.bfloat16),
             "saved_bf16": _saved_tensors_bf16(rank, world_size),
             "checkpoint": _checkpoint(rank, world_size),
+            "peer_checkpoint": _peer_checkpoint(rank, world_size),
             "stages": {case: _stage_step(rank, world_size, *case) for case in STAGE_CASES}}
 
 
@@ -437,7 +439,10 @@ def _checkpoint(rank, world_size):
     x, y = _rows(rank, world_size, CONFIG)
     _backward(model, reducer, fetcher, x, y, 1, world_size)
     optimizer.step()
-    state, optim = gather_full_state(model, optimizer, reducer.owner, reducer.masters)
+    with DeviceMemory() as memory:  # on a GPU: what the gather holds on this rank's device
+        state, optim = gather_full_state(model, optimizer, reducer.owner, reducer.masters)
+    largest = max(4 * p.numel() for p in reducer.owner)
+    device = (memory.peak, largest, rank == 0 and cpu_copies_only(memory, state, optim))
     mine = {n: dict(param=reducer.masters[p], **optimizer.state[reducer.masters[p]])
             for n, p in model.named_parameters() if p in reducer.masters}
     every = [None] * world_size if rank == 0 else None
@@ -446,7 +451,7 @@ def _checkpoint(rank, world_size):
     with torch.no_grad():
         logits, _ = model(xa)  # the distributed forward: owners broadcast, as in training
     if rank != 0:
-        return None
+        return (state, optim), device
     loaded = GPT(CONFIG, device="meta")
     loaded.load_state_dict(state, assign=True)
     loaded.tie_weights()
@@ -458,16 +463,58 @@ def _checkpoint(rank, world_size):
                 for n, s in owners.items())
     return (torch.equal(logits, logits_loaded), sorted(state), sorted(optim), sorted(names), sorted(owners),
             {k: sorted(v) for k, v in optim.items()},
-            torch.equal(state["lm_head.weight"], state["transformer.wte.weight"]), equal)
+            torch.equal(state["lm_head.weight"], state["transformer.wte.weight"]), equal, device)
 
 
 def test_checkpoint_round_trip_gives_identical_logits(ranks):
-    same, keys, optim_keys, names, owned, fields, tied, equal = ranks[0]["checkpoint"]
+    same, keys, optim_keys, names, owned, fields, tied, equal, device = ranks[0]["checkpoint"]
     assert same, "the gathered checkpoint must reproduce the distributed model's logits exactly"
     assert "lm_head.weight" in keys and "transformer.wte.weight" in keys and tied
     assert optim_keys == names == owned
     assert all(f == ["exp_avg", "exp_avg_sq", "step"] for f in fields.values())
     assert equal, "every gathered value and AdamW state must equal its owner's"
+
+
+def test_checkpoint_gathers_into_rank_0s_cpu_one_tensor_at_a_time(ranks):
+    """On a GPU (modelled: DeviceMemory), rank 0 receives each tensor into one buffer on its device and copies it
+    to its CPU before the next: at most a received buffer and the next one alive (it built the whole 16P state on
+    its device); the other rank sends its own tensors and holds nothing more."""
+    peak, largest, cpu_only = ranks[0]["checkpoint"][-1]
+    assert cpu_only, "rank 0's checkpoint must be CPU copies"
+    assert peak <= 2 * largest, (peak, largest)
+    (state, optim), (other, _, _) = ranks[1]["checkpoint"]
+    assert state is None and optim is None and other == 0, other
+    print(f"rank 0 held at most {peak:,} B on its device (largest tensor {largest:,} B)")
+
+
+def _peer_checkpoint(rank, world_size):
+    """Stage 3's peer (FSDP2) after one step: its full_state under DeviceMemory, and each model tensor's
+    full_tensor() for reference."""
+    args = parse_args("zero3", add_zero3_flags, ["--implementation", "pytorch", "--seed", "0"])
+    strategy = STAGES["pytorch"][3](BALANCED, args, torch.device("cpu"))
+    optimizer = strategy.configure_optimizer(args)
+    x, y = _rows(rank, world_size, BALANCED)
+    strategy.forward_backward(x, y, True)
+    optimizer.step()
+    with DeviceMemory() as memory:
+        state, optim = strategy.full_state(optimizer)
+    reference = {k: v.full_tensor() for k, v in strategy.model.state_dict().items()}
+    largest = max(4 * v.numel() for v in reference.values())
+    if rank != 0:
+        return state, optim, memory.peak, largest
+    same = list(state) == list(reference) and all(torch.equal(state[k], v) for k, v in reference.items())
+    return (same, cpu_copies_only(memory, state, optim), state["lm_head.weight"] is state["transformer.wte.weight"],
+            sorted(optim) == sorted(n for n, _ in strategy.model.named_parameters()), memory.peak, largest)
+
+
+def test_stage_3_peer_checkpoint_gathers_a_tensor_at_a_time_into_rank_0s_cpu(ranks):
+    """FSDP2's DTensors all-gathered one at a time (full_tensor() on every rank, as the collective needs), rank 0
+    copying each to its CPU: on every device at most one full tensor (it gathered all of them on every rank)."""
+    same, cpu_only, tied, optim_keys, peak, largest = ranks[0]["peer_checkpoint"]
+    assert same and cpu_only and tied and optim_keys
+    state, optim, other, _ = ranks[1]["peer_checkpoint"]
+    assert state is None and optim is None
+    assert peak <= largest and other <= largest, (peak, other, largest)
 
 
 # ---- stages 1 and 2, and stage 1's peer: one optimizer step of the strategy class --------------------------
