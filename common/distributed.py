@@ -116,7 +116,7 @@ def set_numerics(args, use_cuda):
     """--tf32 and --deterministic, before the first kernel runs.
 
     TF32 (CUDA only): fp32 matmuls and convolutions round their inputs to a 10-bit mantissa and
-    accumulate in fp32, as nanoGPT sets it; off, an fp32 run on an A100/H100 is several times slower.
+    accumulate in fp32, as nanoGPT sets it; off, fp32 on an A100/H100 runs several times slower.
     Deterministic: CPU kernels here are already run to run identical, CUDA's are not all. cuBLAS
     needs a fixed workspace (read when its handle is made, at the first matmul: so set before),
     torch's deterministic mode refuses or replaces the kernels that add with atomics, and SDPA's
