@@ -64,6 +64,7 @@ def setup(args):
     """Returns (rank, world_size, device) after init_process_group. On CPU each rank gets
     OMP_NUM_THREADS (else cores / local ranks) intra-op threads, so the ranks of a machine share
     its cores."""
+    freeze_imports()
     use_cuda = uses_cuda(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         die("--device: cuda was asked for but torch.cuda.is_available() is False")
@@ -194,9 +195,8 @@ def teardown():
                       getattr(debug, "_clear_sharding_prop_cache", None)):
             if clear is not None:
                 clear()
-        for cache in [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]:
-            if getattr(cache, "__module__", "").startswith("torch.distributed"):
-                cache.cache_clear()  # e.g. MeshTopoInfo.build_from_mesh
+        for cache in FROZEN_CACHES + distributed_caches():
+            cache.cache_clear()  # e.g. MeshTopoInfo.build_from_mesh
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
@@ -216,6 +216,25 @@ def teardown():
         print(f"warning: teardown: {len(alive)} communication thread(s) ({names}) still "
               "running after destroy_process_group(): something still references a process group",
               file=sys.stderr, flush=True)
+
+
+FROZEN_CACHES = []  # torch.distributed's lru_caches among the objects freeze_imports() froze
+
+
+def freeze_imports():
+    """Moves every object alive now (the imported modules: torch's are about 280k objects) out of
+    the cyclic garbage collector's reach, for the rest of the run (gc.freeze). Each full collection,
+    Python's own during the run and teardown's, then walks only what main() made: 0.15 s fewer a
+    collection here. Nothing frozen is ever garbage; teardown's search for torch.distributed's
+    caches (gc.get_objects() no longer lists frozen objects) starts from the ones found here."""
+    FROZEN_CACHES[:] = distributed_caches()
+    gc.freeze()
+
+
+def distributed_caches():
+    """torch.distributed's functools.lru_caches among the objects the collector sees."""
+    return [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper
+            and getattr(o, "__module__", "").startswith("torch.distributed")]
 
 
 def backend_threads():
