@@ -3,6 +3,7 @@
 stream runs its queue only when the host synchronizes; a fake CUDA event is stamped with the stream's time when the
 stream reaches it. The device clock must report the stream's time, read after the step's synchronize, and every
 script's span around its NCCL waits must be on it; the CPU clock stays the host's perf_counter."""
+import collections
 import time
 from types import SimpleNamespace
 
@@ -149,8 +150,11 @@ def fsdp_wait(work):
 
 def zero_reduce_wait(work):
     reduces = object.__new__(zero3_train.ReduceToOwner)
-    reduces.reduces = [(None, work)]
+    grad = torch.zeros(2)
+    reduces.reduces = collections.deque([(grad, work)])  # the window's queue, oldest first
+    reduces.in_flight = grad.numel() * grad.element_size()
     reduces.finish_backward()
+    assert reduces.in_flight == 0
 
 
 WAITS = {  # each script's wait on its in-flight collectives, and the timer it is reported under
