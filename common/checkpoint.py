@@ -212,14 +212,18 @@ def set_adamw_state(optimizer, param, state, local):
     optimizer.state[param] = {k: v.clone() if k == "step" else local(v) for k, v in state.items()}
 
 
-def model_state_on_cpu(model):
+def model_state_on_cpu(model, gather=torch.Tensor.detach, keep=True):
     """model.state_dict() copied into this process's CPU memory, one tensor at a time, each
-    parameter once: the tied wte/lm_head's two names share one copy, as in the model."""
+    parameter once: the tied wte/lm_head's two names share one copy, as in the model.
+    gather(value): the whole tensor, where a rank holds a piece (a collective: every rank calls
+    it, in the same order); keep=False: this rank only takes part in the gathers (values None)."""
     copies = {}  # parameter -> its CPU copy
     state = {}
     for name, value in model.state_dict(keep_vars=True).items():
         if value not in copies:
-            copies[value] = value.detach().to("cpu", copy=True)
+            whole = gather(value)
+            copies[value] = whole.to("cpu", copy=True) if keep else None
+            del whole  # before the next gather: at most one whole tensor on the device
         state[name] = copies[value]
     return state
 

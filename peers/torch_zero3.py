@@ -68,12 +68,7 @@ class TorchZeRO3:
         time; rank 0 copies each into its CPU memory before the next, the other ranks keep
         nothing. The tied wte/lm_head is one parameter: gathered once, one copy under both names."""
         rank0 = dist.get_rank() == 0
-        copies = {}  # parameter -> its full value on rank 0's CPU
-        model_state = {}
-        for name, value in self.model.state_dict(keep_vars=True).items():
-            if value not in copies:
-                copies[value] = on_rank0_cpu(full_tensor(value), rank0)
-            model_state[name] = copies[value]
+        model_state = model_state_on_cpu(self.model, gather=full_tensor, keep=rank0)
         optimizer_state = {}
         for name, p in self.model.named_parameters():
             state = optimizer.state[p]
