@@ -32,8 +32,9 @@ from common.checkpoint import (checkpoint, model_state_on_cpu, optimizer_state_b
 from common.config import check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
-from common.metrics import Metrics, Profiler, model_state_bytes
+from common.metrics import Metrics, Profiler, activations, model_state_bytes
 from common.model import GPT, configure_optimizer, num_params
+from common.recompute import checkpoint_blocks
 import peers.torch_ddp
 
 
@@ -156,6 +157,7 @@ class DDP:
         self.args, self.device = args, device
         if state is not None:  # a full checkpoint from any script: every rank loads all of it
             self.model.load_state_dict(state)
+        checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         self.buckets = GradientBuckets(self.model, args.bucket_cap_mb)
 
     def configure_optimizer(self, args, state=None):
@@ -173,7 +175,7 @@ class DDP:
     def forward_backward(self, x, y, sync):
         """One micro-step; returns its loss. sync=False: accumulate only (set before forward)."""
         self.buckets.require_sync = sync
-        with autocast(self.args, self.device):
+        with activations.first(), autocast(self.args, self.device):  # the bytes kept for backward
             _, loss = self.model(x, y)
         # Each micro-step is 1/A of this rank's rows and each rank 1/N of the batch: with the
         # loss divided by A*N, backward writes g/(A*N) and the buckets' plain sum over the ranks

@@ -38,6 +38,7 @@ from common.distributed import (all_gather_single, autocast, clip_grad_norm_,
                                 reduce_scatter_single, setup, setup_data, teardown)
 from common.metrics import Metrics, Profiler, model_state_bytes, timers
 from common.model import GPT, init_tensor
+from common.recompute import checkpoint_blocks
 from common.sharded_checkpoint import load_sharded, resume_sharded, save_sharded
 import peers.torch_fsdp
 
@@ -179,6 +180,8 @@ class FullyShardedGPT:
         if self.reshard_after_forward or not torch.is_grad_enabled():
             block.reshard()
         if torch.is_grad_enabled():  # runs before the block's backward; the previous block is next
+            # --activation_checkpointing full: that backward starts by running the block's forward
+            # again, on the parameters gathered here: the recompute costs no extra all-gather
             out.register_hook(lambda grad: self._gather(block, previous))
 
     def _root_post_forward(self, model, args, out):
@@ -254,6 +257,7 @@ class FSDP:
         self.sharded = FullyShardedGPT(self.model, value_of, rank, dist.get_world_size(), device,
                                        compute_dtype, args.reshard_after_forward, args.prefetch)
         self.units = self.sharded.units
+        checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         self.sharded_state = None  # --resume_sharded: this rank's own file, a dict per unit
         if args.resume_sharded:
             self.sharded_state = load_sharded(args.resume_sharded, rank, device)

@@ -65,6 +65,7 @@ from common.data import get_batch
 from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
 from common.metrics import Metrics, Profiler, model_state_bytes, timers
 from common.model import GPT, configure_optimizer, init_tensor, num_params
+from common.recompute import checkpoint_blocks
 import peers.torch_zero3
 
 
@@ -256,6 +257,7 @@ class ZeRO1:
         shapes = [(n, p.shape) for n, p in GPT(config, device="meta").named_parameters()]
         owner = self.assign_owners(shapes, args.persistence_threshold)  # {name: rank or None}
         self.model, self.masters = self.build_model(config, owner, state)
+        checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         named = list(self.model.named_parameters())
         self.owner = {p: owner[n] for n, p in named}  # parameter -> its rank, None: persistent
         self.kept = [(n, self.masters[p]) for n, p in named if p in self.masters]  # AdamW's
@@ -501,7 +503,9 @@ class ParamFetcher:
         for i, unit in enumerate(self.units):
             unit.register_forward_pre_hook(lambda m, inputs, i=i: self._before(i, forward_order))
             unit.register_forward_hook(lambda m, inputs, out, i=i: self._after_forward(i))
-            if i in self.backward_order:
+            if i in self.backward_order:  # with --activation_checkpointing full, a block's
+                # backward first runs its forward again, on the tensors this fetch brings: no more
+                # broadcasts than without
                 unit.register_full_backward_pre_hook(
                     lambda m, grad_out, i=i: self._before(i, self.backward_order))
                 unit.register_full_backward_hook(lambda m, grad_in, grad_out, i=i: self._free(i))

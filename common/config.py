@@ -17,6 +17,7 @@ from torch.torch_version import TorchVersion
 
 from common.model import PRESETS, GPTConfig
 from common.data import GPT2_VOCAB
+from common.recompute import MODES
 
 # The oldest torch the scripts run correctly on (README, "Torch versions"). Below it gloo gets data
 # parallelism's mean wrong: before 2.8 it refuses ReduceOp.AVG, and in 2.8 its reduce-scatter sums
@@ -102,6 +103,10 @@ def parse_args(strategy, add_flags=None, argv=None):
                    help="compute dtype (bfloat16: autocast; parameters and optimizer stay fp32)")
     add_bool(r, "--tf32", True, "on CUDA, fp32 matmuls and convolutions in TF32 (nanoGPT's "
              "default, several times faster on A100/H100); no effect on CPU")
+    r.add_argument("--activation_checkpointing", choices=MODES, default="none",
+                   help="keep fewer activations and recompute them in backward: full: each "
+                        "block's (only its input is kept); selective: the attention core's "
+                        "(common/recompute.py)")
     add_bool(r, "--deterministic", False, "deterministic kernels: torch.use_deterministic_"
              "algorithms, cuBLAS's fixed workspace and, on CUDA, SDPA's math backend; on CUDA, "
              "bit-identical reruns and resumes need it")

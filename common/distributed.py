@@ -26,7 +26,7 @@ import torch.distributed._shard.sharding_spec.chunk_sharding_spec_ops._common  #
 
 from common import data
 from common.config import die
-from common.metrics import timers
+from common.metrics import activations, timers
 
 
 # torch 2.13's names for two collectives, and the names older torch has (2.13 keeps those, warns).
@@ -87,9 +87,12 @@ def setup(args):
         keep_freed_memory()
     set_numerics(args, use_cuda)
     timers.use_device(device)  # the wait timers: CUDA events on a GPU, host time on CPU
+    activations.reset()  # the saved-activation meter measures this run's first forward
     # Seeds only what is random at run time (dropout): weights come from init_tensor, batches from
     # get_batch. Each rank gets its own stream: ranks drop different units of their different rows.
     torch.manual_seed(args.seed + rank)
+    if dist.is_initialized():  # a second main() in this process (tests/runs.py): the same group
+        return rank, world_size, device
     backend = "nccl" if use_cuda else "gloo"
     timeout = timedelta(seconds=args.timeout_s)  # a collective waiting longer than this raises
     if torchrun:

@@ -97,8 +97,9 @@ class Timers:
         self.t0 = None  # the step's start mark: start_step() sets it
 
     def use_device(self, device):
-        """Marks of this device's clock from now on (the step restarts)."""
+        """Marks of this device's clock from now on (the step, and the record of steps, restart)."""
         self.clock = DeviceClock() if device.type == "cuda" else HostClock()
+        self.steps = {}
         self.start_step()
 
     @contextmanager
@@ -141,8 +142,12 @@ class SavedActivations:
     the same way on CPU and GPU, whatever the allocator does."""
 
     def __init__(self):
+        self.reset()
+
+    def reset(self):
         self.storages = {}
         self.measured = False
+        self.active = False
 
     def _pack(self, t):
         # parameters, and views of them (a Linear saves its weight transposed), are not activations
@@ -152,12 +157,21 @@ class SavedActivations:
             self.storages[storage.data_ptr()] = storage.nbytes()
         return t
 
+    def hold(self, *tensors):
+        """Counts tensors kept for backward outside autograd's saved tensors: the inputs that
+        torch.utils.checkpoint keeps for its recompute (inside it, its own hooks replace these)."""
+        if self.active:
+            for t in tensors:
+                self._pack(t)
+
     def __enter__(self):
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self.hooks.__enter__()
+        self.active = True
         return self
 
     def __exit__(self, *exc):
+        self.active = False
         self.hooks.__exit__(*exc)
 
     @property

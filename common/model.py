@@ -63,10 +63,15 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, head_size).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, head_size).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, head_size).transpose(1, 2)  # (B, nh, T, hs)
-        dropout_p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        y = self.attend(q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+    def attend(self, q, k, v):
+        """The attention core, softmax(q k^T / sqrt(hs)) v with its dropout, causal: the part that
+        --activation_checkpointing selective recomputes (common/recompute.py)."""
+        dropout_p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
 class MLP(nn.Module):

@@ -10,6 +10,7 @@ import torch
 
 from common.distributed import autocast
 from common.model import GPT, num_params
+from common.recompute import torch_checkpoint_blocks
 
 
 class TorchDDP:
@@ -18,6 +19,7 @@ class TorchDDP:
         self.args, self.device = args, device
         if state is not None:
             self.model.load_state_dict(state)
+        torch_checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         device_ids = [device.index] if device.type == "cuda" else None
         self.ddp = torch.nn.parallel.DistributedDataParallel(
             self.model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb,

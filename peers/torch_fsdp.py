@@ -16,6 +16,7 @@ from torch.distributed.tensor import distribute_tensor
 from common.checkpoint import set_adamw_state
 from common.distributed import autocast, clip_grad_norm_
 from common.model import GPT, configure_optimizer, num_params
+from common.recompute import torch_checkpoint_blocks
 
 
 class TorchFSDP:
@@ -28,6 +29,9 @@ class TorchFSDP:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             mp = MixedPrecisionPolicy()
+        # before fully_shard, as torch documents: its unshard before a block's backward also serves
+        # the recompute
+        torch_checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         for block in self.model.transformer.h:
             fully_shard(block, reshard_after_forward=args.reshard_after_forward, mp_policy=mp)
         # the root stays gathered through backward, as fsdp_train.py's does

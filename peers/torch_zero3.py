@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from common.checkpoint import model_state_on_cpu, set_adamw_state
 from common.distributed import autocast, clip_grad_norm_
 from common.model import GPT, configure_optimizer, init_tensor, num_params
+from common.recompute import torch_checkpoint_blocks
 
 
 class TorchZeRO3:
@@ -35,7 +36,8 @@ class TorchZeRO3:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             mp = MixedPrecisionPolicy()
-        for block in self.model.transformer.h:
+        torch_checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
+        for block in self.model.transformer.h:  # FSDP2's unshard before backward serves the recompute
             fully_shard(block, mesh=self.mesh, mp_policy=mp)
         fully_shard(self.model, mesh=self.mesh, mp_policy=mp)
         self.model.to_empty(device=device)  # allocates only this rank's shards
@@ -102,6 +104,7 @@ class TorchZeRO1:
         self.args, self.device = args, device
         if state is not None:
             self.model.load_state_dict(state)
+        torch_checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         device_ids = [device.index] if device.type == "cuda" else None
         self.ddp = torch.nn.parallel.DistributedDataParallel(
             self.model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb,
