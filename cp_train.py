@@ -53,6 +53,7 @@ from common.distributed import (all_gather_single, autocast, clip_grad_norm_,
                                 reduce_scatter_single, setup, setup_data, teardown, uses_cuda)
 from common.metrics import Metrics, Profiler, activations, model_state_bytes, timers
 from common.model import GPT, CausalSelfAttention, configure_optimizer, materialize_, num_params
+from common.recompute import checkpoint_blocks
 import peers.torch_cp
 
 
@@ -346,16 +347,20 @@ class CPAttention(CausalSelfAttention):
         head_size = C // self.n_head
         qkv = self.c_attn(x).view(B, L, 3, self.n_head, head_size)  # (B, T/cp, 3, nh, hs)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, nh, T/cp, hs) each
-        if self.mode == "ulysses":
-            dropout_p = self.dropout if self.training else 0.0
-            y = ulysses_attention(q, k, v, self.cp, dropout_p)
-        elif self.mode == "ring":
-            y = RingAttention.apply(q, k, v, self.cp)
-        else:
-            y = AllGatherAttention.apply(q, k, v, self.cp)
-        # y: (B, nh, T/cp, hs)
+        y = self.attend(q, k, v)  # (B, nh, T/cp, hs)
         y = y.transpose(1, 2).reshape(B, L, C)  # (B, T/cp, C): the heads side by side
         return self.resid_dropout(self.c_proj(y))
+
+    def attend(self, q, k, v):
+        """The attention core over all T positions. Recomputed (--activation_checkpointing), it
+        communicates again: the ring passes K, V round once more in backward, before its backward
+        ring; allgather gathers them again; Ulysses repeats its two all-to-alls."""
+        if self.mode == "ulysses":
+            dropout_p = self.dropout if self.training else 0.0
+            return ulysses_attention(q, k, v, self.cp, dropout_p)
+        if self.mode == "ring":
+            return RingAttention.apply(q, k, v, self.cp)
+        return AllGatherAttention.apply(q, k, v, self.cp)
 
 
 class CPGPT(GPT):
@@ -513,6 +518,7 @@ class ContextParallel:
         self.model = CPGPT(config, args.seed, device, self.cp, args.cp_mode)
         if state is not None:  # a full checkpoint from any script: every rank loads all of it
             self.model.load_state_dict(state)
+        checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         self.buckets = GradientBuckets(self.model, args.bucket_cap_mb)
 
     def sdpa_gpt(self, config):

@@ -53,6 +53,7 @@ from common.data import get_batch
 from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
 from common.metrics import Metrics, Profiler, model_state_bytes, timers
 from common.model import GPT, configure_optimizer, init_tensor
+from common.recompute import checkpoint_blocks
 from common.schedule_report import ScheduleReport, stage_plan
 import peers.torch_pp
 
@@ -306,6 +307,7 @@ def vocab_pass(h, targets, head, vocab_start, last, group, scale, cast):
 class Pipeline:
     """The strategy behind the loop's few methods: this rank's chunks (Stages) and its schedule's
     actions."""
+    checkpoint_blocks = staticmethod(checkpoint_blocks)  # --activation_checkpointing's, by hand
 
     def __init__(self, config, args, device, state=None):
         self.config, self.args, self.device = config, args, device
@@ -324,6 +326,10 @@ class Pipeline:
             blocks = range(first_block[s], first_block[s + 1])
             self.chunks.append(Stage(config, s, self.n_stages, blocks, head, vp, state, args.seed,
                                      device))
+            # full: a chunk's forward runs again at its B action, inside its backward, so it keeps
+            # only each block's input from F to B (the schedule's live activations shrink)
+            self.checkpoint_blocks(self.chunks[-1].transformer.h.values(),
+                                   args.activation_checkpointing)
         # Made by every rank, in the same order. p2p_group: the pipeline's messages, apart from the
         # loop's collectives; vocab_group: the vocabulary passes' collectives; tied_groups[r]:
         # rank 0 (wte) and rank r, which holds a copy of some of its rows.

@@ -57,6 +57,7 @@ from common.distributed import setup, setup_data, teardown
 from common.metrics import Metrics, Profiler, activations, held_bytes, model_state_bytes
 from common.metrics import timers
 from common.model import GPT, configure_optimizer, init_tensor
+from common.recompute import checkpoint_blocks
 import peers.torch_tp
 
 
@@ -490,12 +491,17 @@ class TPAttention(nn.Module):
         q = q.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, nh/tp, T, hs)
         k = k.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, nh/tp, T, hs)
         v = v.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, nh/tp, T, hs)
-        dropout_p = self.dropout if self.training else 0.0
-        rng = tp_rank_rng(self.tp_rank, x.device) if dropout_p else nullcontext()  # own masks
-        with rng:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        out = self.attend(q, k, v)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, nh/tp, T, hs) -> (B, T, C/tp)
         return self.resid_dropout(self.c_proj(out))  # (B, T, C), or (B, T/tp, C) with SP
+
+    def attend(self, q, k, v):
+        """GPT's attention core on this rank's heads, its dropout masks from the rank's own stream
+        (selective checkpointing recomputes it: the seed drawn again is the same)."""
+        dropout_p = self.dropout if self.training else 0.0
+        rng = tp_rank_rng(self.tp_rank, q.device) if dropout_p else nullcontext()  # own masks
+        with rng:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
 class TPGPT(GPT):
@@ -571,6 +577,9 @@ class TensorParallel:
         self.share_rng(resumed=state is not None)
         tp = TPGroup(self.tp_group, args.sequence_parallel, args.tp_overlap)
         self.model = TPGPT(tp, config, args.seed, device, args.loss_parallel, state)
+        # full: a block's recompute in backward runs its f and g again, so each block sends its
+        # two forward collectives (all-reduces; with SP an all-gather and a reduce-scatter) twice
+        checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
 
     def share_rng(self, resumed):
         """Makes dropout's shared stream, the default generators (CPU, and the device's), equal on
@@ -640,6 +649,7 @@ class TensorParallel:
             block.attn.n_head = block.attn.n_head // self.tp_size
             block.attn.tp_rank = tp_rank
             block.attn.forward = types.MethodType(TPAttention.forward, block.attn)
+            block.attn.attend = types.MethodType(TPAttention.attend, block.attn)
         if self.args.sequence_parallel:
             fork_sequence_parallel_dropouts(model, tp_rank)
 

@@ -141,13 +141,14 @@ class SavedActivations:
     activations, parameters excluded), once per storage: one forward's activation memory, measured
     the same way on CPU and GPU, whatever the allocator does."""
 
+    in_use = []  # the meters inside their `with` now: hold() counts into each
+
     def __init__(self):
         self.reset()
 
     def reset(self):
         self.storages = {}
         self.measured = False
-        self.active = False
 
     def _pack(self, t):
         # parameters, and views of them (a Linear saves its weight transposed), are not activations
@@ -157,21 +158,22 @@ class SavedActivations:
             self.storages[storage.data_ptr()] = storage.nbytes()
         return t
 
-    def hold(self, *tensors):
+    @classmethod
+    def hold(cls, *tensors):
         """Counts tensors kept for backward outside autograd's saved tensors: the inputs that
         torch.utils.checkpoint keeps for its recompute (inside it, its own hooks replace these)."""
-        if self.active:
+        for meter in cls.in_use:
             for t in tensors:
-                self._pack(t)
+                meter._pack(t)
 
     def __enter__(self):
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self.hooks.__enter__()
-        self.active = True
+        self.in_use.append(self)
         return self
 
     def __exit__(self, *exc):
-        self.active = False
+        self.in_use.remove(self)
         self.hooks.__exit__(*exc)
 
     @property

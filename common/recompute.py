@@ -25,7 +25,7 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from common.metrics import activations
+from common.metrics import SavedActivations
 
 MODES = ("none", "full", "selective")
 
@@ -34,7 +34,7 @@ def recomputed(function):
     """function(*inputs), run under torch.utils.checkpoint: autograd keeps its inputs and nothing it
     computes; backward runs it again (with the same random numbers) to get what its ops saved."""
     def run(*inputs):
-        activations.hold(*inputs)  # what checkpoint keeps for the recompute (the meter can't see in)
+        SavedActivations.hold(*inputs)  # kept for the recompute (a meter cannot see inside)
         return checkpoint(function, *inputs, use_reentrant=False, preserve_rng_state=True)
     return run
 

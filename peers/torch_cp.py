@@ -17,6 +17,7 @@ import torch.distributed as dist
 from common.distributed import autocast
 from common.metrics import activations
 from common.model import num_params
+from common.recompute import torch_checkpoint_blocks
 
 
 class TorchCP:
@@ -39,6 +40,7 @@ class TorchCP:
         self.model = self.sdpa_gpt(config)  # GPT's SDPA attention, which context_parallel replaces
         if state is not None:
             self.model.load_state_dict(state)
+        torch_checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         self.ddp = torch.nn.parallel.DistributedDataParallel(
             self.model, device_ids=[device.index], bucket_cap_mb=args.bucket_cap_mb,
             gradient_as_bucket_view=True)

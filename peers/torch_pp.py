@@ -9,9 +9,12 @@ Pipeline class."""
 import torch
 
 from common.distributed import autocast
+from common.recompute import torch_checkpoint_blocks
 
 
 class TorchPipeline:
+    checkpoint_blocks = staticmethod(torch_checkpoint_blocks)  # Pipeline.__init__ applies it
+
     def __init__(self, config, args, device, state=None):
         super().__init__(config, args, device, state)  # Pipeline's: this rank's chunks and groups
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,

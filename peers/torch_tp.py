@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from common.distributed import autocast, clip_grad_norm_
 from common.metrics import activations
 from common.model import GPT
+from common.recompute import torch_checkpoint_blocks
 
 
 def parallelize_torch(model, tp_mesh, sequence_parallel, loss_parallel):
@@ -93,6 +94,7 @@ class TorchTP:
                 if "c_attn" in name:
                     p.copy_(self.rank_ordered(name, p))
         parallelize_torch(self.model, mesh["tp"], args.sequence_parallel, args.loss_parallel)
+        torch_checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
 
     def local_piece(self, name, p, full):
         """DTensor: each rank cuts its piece from its own full copy (src_data_rank=None: no
