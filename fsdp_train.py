@@ -36,7 +36,7 @@ from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, 
 from common.data import get_batch
 from common.distributed import (all_gather_single, autocast, clip_grad_norm_,
                                 reduce_scatter_single, setup, setup_data, teardown)
-from common.metrics import Metrics, Profiler, model_state_bytes, timers
+from common.metrics import Metrics, Profiler, activations, model_state_bytes, timers
 from common.model import GPT, init_tensor
 from common.recompute import checkpoint_blocks
 from common.sharded_checkpoint import load_sharded, resume_sharded, save_sharded
@@ -279,7 +279,7 @@ class FSDP:
 
     def forward_backward(self, x, y, sync):
         """One micro-step; returns its loss. Every one reduce-scatters: sync is not needed."""
-        with autocast(self.args, self.device):
+        with activations.first(), autocast(self.args, self.device):  # the bytes kept for backward
             _, loss = self.model(x, y)
         (loss / self.args.grad_accum_steps).backward()  # each micro-step is 1/A of this rank's rows
         self.sharded.finish_backward()

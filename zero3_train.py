@@ -63,7 +63,7 @@ from common.checkpoint import checkpoint, resume, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
-from common.metrics import Metrics, Profiler, model_state_bytes, timers
+from common.metrics import Metrics, Profiler, activations, model_state_bytes, timers
 from common.model import GPT, configure_optimizer, init_tensor, num_params
 from common.recompute import checkpoint_blocks
 import peers.torch_zero3
@@ -305,7 +305,7 @@ class ZeRO1:
     def forward_backward(self, x, y, sync):
         """One micro-step; returns its loss. sync=False: accumulate only (set before forward)."""
         self.buckets.require_sync = sync
-        with autocast(self.args, self.device):
+        with activations.first(), autocast(self.args, self.device):  # the bytes kept for backward
             _, loss = self.model(x, y)
         # Each micro-step is 1/A of this rank's rows and each rank 1/N of the batch: with the
         # loss divided by A*N, backward writes g/(A*N) and the buckets' plain sum over the ranks
@@ -424,7 +424,7 @@ class ZeRO2(ZeRO1):
     def forward_backward(self, x, y, sync):
         """One micro-step; returns its loss. sync=False: persistent gradients only accumulate."""
         self.reducer.sync_persistent = sync
-        with autocast(self.args, self.device):
+        with activations.first(), autocast(self.args, self.device):  # the bytes kept for backward
             _, loss = self.model(x, y)
         (loss / self.args.grad_accum_steps).backward()  # each micro-step is 1/A of this rank's rows
         self.reducer.finish_backward()

@@ -9,6 +9,7 @@ from contextlib import nullcontext
 import torch
 
 from common.distributed import autocast
+from common.metrics import activations
 from common.model import GPT, num_params
 from common.recompute import torch_checkpoint_blocks
 
@@ -27,7 +28,7 @@ class TorchDDP:
 
     def forward_backward(self, x, y, sync):
         with nullcontext() if sync else self.ddp.no_sync():
-            with autocast(self.args, self.device):
+            with activations.first(), autocast(self.args, self.device):
                 _, loss = self.ddp(x, y)
             (loss / self.args.grad_accum_steps).backward()
         return loss.detach().float()

@@ -15,6 +15,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from common.checkpoint import set_adamw_state
 from common.distributed import autocast, clip_grad_norm_
+from common.metrics import activations
 from common.model import GPT, configure_optimizer, num_params
 from common.recompute import torch_checkpoint_blocks
 
@@ -54,7 +55,7 @@ class TorchFSDP:
         return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
 
     def forward_backward(self, x, y, sync):
-        with autocast(self.args, self.device):
+        with activations.first(), autocast(self.args, self.device):
             _, loss = self.model(x, y)
         (loss / self.args.grad_accum_steps).backward()  # FSDP2 reduce-scatters every micro-step too
         return loss.detach().float()

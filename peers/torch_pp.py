@@ -9,6 +9,7 @@ Pipeline class."""
 import torch
 
 from common.distributed import autocast
+from common.metrics import activations
 from common.recompute import torch_checkpoint_blocks
 
 
@@ -42,7 +43,7 @@ class TorchPipeline:
         losses = []
         inputs = [x] if self.rank == 0 else []  # token ids enter at the first stage
         targets = dict(target=y, losses=losses) if last else {}  # the loss is the last stage's
-        with autocast(self.args, self.device):
+        with activations.first(), autocast(self.args, self.device):  # over the step's micro-batches
             self.schedule.step(*inputs, **targets)
         if sync:
             self.sum_tied_gradient()

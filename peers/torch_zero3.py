@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from common.checkpoint import model_state_on_cpu, set_adamw_state
 from common.distributed import autocast, clip_grad_norm_
 from common.model import GPT, configure_optimizer, init_tensor, num_params
+from common.metrics import activations
 from common.recompute import torch_checkpoint_blocks
 
 
@@ -57,7 +58,7 @@ class TorchZeRO3:
         return distribute_tensor(full, self.mesh, p.placements, src_data_rank=None).clone()
 
     def forward_backward(self, x, y, sync):
-        with autocast(self.args, self.device):
+        with activations.first(), autocast(self.args, self.device):
             _, loss = self.model(x, y)
         (loss / self.args.grad_accum_steps).backward()  # reduce-scatters every micro-step, too
         return loss.detach().float()
@@ -132,7 +133,7 @@ class TorchZeRO1:
 
     def forward_backward(self, x, y, sync):
         with nullcontext() if sync else self.ddp.no_sync():
-            with autocast(self.args, self.device):
+            with activations.first(), autocast(self.args, self.device):
                 _, loss = self.ddp(x, y)
             (loss / self.args.grad_accum_steps).backward()
         return loss.detach().float()
