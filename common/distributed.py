@@ -229,7 +229,10 @@ def freeze_imports():
     the cyclic garbage collector's reach, for the rest of the run (gc.freeze). Each full collection,
     Python's own during the run and teardown's, then walks only what main() made: 0.15 s fewer a
     collection here. Nothing frozen is ever garbage; teardown's search for torch.distributed's
-    caches (gc.get_objects() no longer lists frozen objects) starts from the ones found here."""
+    caches (gc.get_objects() no longer lists frozen objects) starts from the ones found here. Once
+    a process: a second main() (tests/runs.py) must not freeze the first one's garbage."""
+    if gc.get_freeze_count():
+        return
     FROZEN_CACHES[:] = distributed_caches()
     gc.freeze()
 

@@ -9,7 +9,6 @@ Pipeline class."""
 import torch
 
 from common.distributed import autocast
-from common.metrics import activations
 from common.recompute import torch_checkpoint_blocks
 
 
@@ -43,7 +42,7 @@ class TorchPipeline:
         losses = []
         inputs = [x] if self.rank == 0 else []  # token ids enter at the first stage
         targets = dict(target=y, losses=losses) if last else {}  # the loss is the last stage's
-        with activations.first(), autocast(self.args, self.device):  # over the step's micro-batches
+        with autocast(self.args, self.device):
             self.schedule.step(*inputs, **targets)
         if sync:
             self.sum_tied_gradient()

@@ -220,3 +220,70 @@ def test_tp_overlap_equals_plain_tp(nproc, extra, shared_run):
     record(f"tp-overlap-{nproc}r{''.join(plain)} vs plain", {"max_rel_dloss": delta})
     assert len(overlapped) == len(reference) == STEPS
     assert delta <= OVERLAP_TOL, (overlapped, reference)
+
+
+# --activation_checkpointing: each row is one launch of tests/runs.py, which runs the script's main() once per
+# (implementation, dropout, extra flags) variant and mode. full and selective recompute what none keeps, with
+# the same random numbers: their losses and grad norms must be none's, bit for bit, and the saved-activation
+# meter must show that they kept less (the proof that the mode ran): full always; selective with dropout, where
+# SDPA's math path keeps the T x T probabilities and mask (without, the fused kernel keeps only its B*nh*T
+# log-sum-exp, which the meter's count of FSDP's gathered buffers can hide). PyTorch's pipeline has no meter (its
+# schedule runs every micro-batch in one call). Every script at 2 ranks, custom and
+# pytorch (cp: custom, its peer needs CUDA), dropout 0 and 0.1 (cp's ring: 0, its only one); TP+SP (DP 2 x
+# TP 2) and the interleaved pipeline (4 ranks x 2 chunks) at 4 ranks.
+AC_STEPS = 4
+AC_MODES = ("none", "full", "selective")
+BOTH = ("custom", "pytorch")
+AC_ROWS = [
+    ("ddp_train.py", 2, [(impl, d, []) for impl in BOTH for d in (0.0, 0.1)]),
+    ("fsdp_train.py", 2, [(impl, d, []) for impl in BOTH for d in (0.0, 0.1)]),
+    ("zero3_train.py", 2, [(impl, d, []) for impl in BOTH for d in (0.0, 0.1)]),
+    ("tp_train.py", 2, [(impl, d, []) for impl in BOTH for d in (0.0, 0.1)]),
+    ("pp_train.py", 2, [(impl, d, ["--schedule", "1f1b"]) for impl in BOTH for d in (0.0, 0.1)]),
+    ("cp_train.py", 2, [("custom", 0.0, []), ("custom", 0.0, ["--cp_mode", "ulysses"]),
+                        ("custom", 0.1, ["--cp_mode", "ulysses"])]),
+    ("tp_train.py", 4, [(impl, 0.1, ["--tensor_parallel_size", "2", "--sequence_parallel"]) for impl in BOTH]),
+    ("pp_train.py", 4, [(impl, 0.1, ["--schedule", "interleaved", "--n_layer", "8"]) for impl in BOTH]),
+]
+
+
+def kept_bytes(summary):
+    """The bytes the run's meter saw kept for backward, summed over the ranks: the forward's
+    (saved_activation_bytes), or the custom pipeline's per micro-batch on its chunks; None: no meter."""
+    values = summary.get("saved_activation_bytes_per_rank") or summary.get("peak_activation_bytes_per_rank")
+    return values and sum(values)
+
+
+@pytest.mark.parametrize("script,nproc,variants", AC_ROWS,
+                         ids=[f"{script[:-9]}-{nproc}r" for script, nproc, _ in AC_ROWS])
+def test_activation_checkpointing_is_bit_identical(script, nproc, variants, references, tmp_path):
+    from conftest import launch
+    flags = FLAGS[:FLAGS.index("--max_iters")] + ["--max_iters", str(AC_STEPS), "--lr_decay_iters", str(STEPS)]
+    runs, names = [], []
+    for implementation, dropout, extra in variants:
+        for mode in AC_MODES:
+            names.append((implementation, dropout, tuple(extra), mode))
+            out_dir = tmp_path / f"run{len(runs)}"
+            runs.append(flags + extra + ["--implementation", implementation, "--dropout", str(dropout),
+                                         "--activation_checkpointing", mode, "--out_dir", str(out_dir)])
+    argv = [script] + [arg for run in runs for arg in run + ["---"]][:-1]
+    result = launch("tests/runs.py", nproc, argv, torchrun=False)
+    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    records = {}
+    for name, run in zip(names, runs):
+        rows = [json.loads(line) for line in open(os.path.join(run[-1], "metrics.jsonl"))]
+        steps = [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
+        assert len(steps) == AC_STEPS, name
+        records[name] = steps, kept_bytes(next(r for r in rows if r.get("summary")))
+    for implementation, dropout, extra in variants:
+        none, none_bytes = records[(implementation, dropout, tuple(extra), "none")]
+        for mode in ("full", "selective"):
+            steps, kept = records[(implementation, dropout, tuple(extra), mode)]
+            assert steps == none, (implementation, dropout, extra, mode, steps, none)
+            if none_bytes is not None and (mode == "full" or dropout > 0):
+                assert kept < none_bytes, (implementation, dropout, extra, mode, kept, none_bytes)
+        if dropout == 0.0:  # and none equals single-process training
+            reference, _ = references(extra)
+            delta = max(abs(loss - ref) for (loss, _), ref in zip(none, reference))
+            assert delta <= TOL, (implementation, extra, delta)
+    record(f"activation-checkpointing-{script[:-9]}-{nproc}r", {"runs": len(runs), "bit_identical": True})
