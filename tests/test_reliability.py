@@ -383,6 +383,7 @@ BAD = [  # (script, flags, nproc (None: one process), the flag the error must na
     ("ddp_train.py", ["--batch_size", "6", "--grad_accum_steps", "2"], 2, "--batch_size"),
     ("fsdp_train.py", ["--block_size", "100000"], 2, "--block_size"),
     ("fsdp_train.py", ["--implementation", "magic"], None, "--implementation"),
+    ("pp_train.py", ["--activation_checkpointing", "attention"], None, "--activation_checkpointing"),
     ("zero3_train.py", ["--learning_rate", "-1"], None, "--learning_rate"),
     ("zero3_train.py", ["--dataset", "nosuchdata"], 2, "--dataset"),
     ("tp_train.py", ["--n_head", "3", "--n_embd", "66"], 2, "--n_head"),

@@ -1,0 +1,126 @@
+"""--activation_checkpointing's memory (common/recompute.py): the bytes each mode keeps per layer, counted by the
+saved-activation meter (common.metrics.SavedActivations), equal the expressions derived from common/model.py's
+ops exactly, since both count the same tensors; and torch's selective policy recomputes the attention core only.
+
+Per layer, s = T positions, b = rows, h = n_embd, a = heads, fp32 on CPU. Korthikanti et al. 2022 count 2-byte
+activations and 1-byte dropout masks: s*b*h*(34 + 5*a*s/h) for none, 34*s*b*h for selective, 2*s*b*h for full.
+That is 16 activations of s*b*h elements, 2 masks of s*b*h and, in attention, 2 of a*s*s*b and a mask of a*s*s*b.
+Here every element is 4 bytes, the masks too (CPU's dropout keeps a float mask, scaled by 1/(1-p); CUDA's fused
+dropout keeps bytes), and each LayerNorm keeps its mean and 1/std (2 x 4 bytes per position, s*b), which the paper
+leaves out:
+  none       4*(18*s*b*h + 3*a*s*s*b) + 16*s*b     SDPA's math path: CPU with dropout
+  selective  4*18*s*b*h + 16*s*b                   (the core's q, k, v: c_attn's output, 12*s*b*h)
+  full       4*s*b*h                               the block's input
+Without dropout CPU's SDPA is a fused kernel (flash): it keeps q, k, v (c_attn's output), its output (c_proj's
+input) and a log-sum-exp of a*s*b floats, never the s x s probabilities, and the masks are gone:
+  none       64*s*b*h + 4*a*s*b + 16*s*b,  selective 64*s*b*h + 16*s*b: selective saves only the log-sum-exp.
+With TP over t ranks (Korthikanti's s*b*h*(10 + 24/t + 5*a*s/(h*t))): the LayerNorms' inputs and outputs and the
+residual dropouts' masks stay whole on every rank (24*s*b*h), the rest is split by heads or hidden units:
+  none       24*s*b*h + 48*s*b*h/t + 12*a*s*s*b/t + 16*s*b
+With SP the whole parts are split by sequence too, except the LayerNorms' outputs: the column-parallel linear
+keeps its all-gathered input (2 x 4*s*b*h), which Megatron keeps sharded and all-gathers again in backward
+(the paper's s*b*h*(34/t + 5*a*s/(h*t))):
+  none       8*s*b*h + 64*s*b*h/t + 12*a*s*s*b/t + 16*s*b/t
+selective drops the attention term in both; full keeps the block input, 4*s*b*h (SP: 4*s*b*h/t).
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import TINY, launch
+import common.recompute as recompute
+from common.metrics import SavedActivations
+from common.model import GPT, GPTConfig
+from common.recompute import checkpoint_blocks, torch_checkpoint_blocks
+
+S, B, H, A = 32, 3, 48, 4  # distinct, so that each term of an expression is visible
+SBH = S * B * H
+CPU_BYTES = {  # (dropout, mode) -> bytes per layer, one process
+    (0.1, "none"): 4 * (18 * SBH + 3 * A * S * S * B) + 16 * S * B,
+    (0.1, "selective"): 4 * 18 * SBH + 16 * S * B,
+    (0.1, "full"): 4 * SBH,
+    (0.0, "none"): 64 * SBH + 4 * A * S * B + 16 * S * B,
+    (0.0, "selective"): 64 * SBH + 16 * S * B,
+    (0.0, "full"): 4 * SBH,
+}
+
+
+def saved_bytes(n_layer, mode, dropout):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=S, vocab_size=64, n_layer=n_layer, n_head=A, n_embd=H, dropout=dropout))
+    checkpoint_blocks(model.transformer.h, mode)
+    idx = torch.randint(0, 64, (B, S))
+    with SavedActivations() as meter:
+        _, loss = model(idx, idx)
+    loss.backward()  # the recompute runs, and finds what it kept
+    return meter.bytes
+
+
+@pytest.mark.parametrize("dropout,mode", list(CPU_BYTES))
+def test_bytes_per_layer_equal_the_formula(dropout, mode):
+    """One layer more adds exactly the formula's bytes (the embedding, head and loss cancel)."""
+    per_layer = saved_bytes(2, mode, dropout) - saved_bytes(1, mode, dropout)
+    assert per_layer == CPU_BYTES[(dropout, mode)]
+
+
+def test_tp_bytes_per_layer_equal_the_divided_formulas(tmp_path):
+    """tp_train.py at t = 2, SP off and on, dropout 0.1: each rank's bytes per layer, in one launch of 12 runs."""
+    t = 2
+    whole = {"none": 24 * SBH + 48 * SBH // t + 12 * A * S * S * B // t + 16 * S * B,
+             "selective": 24 * SBH + 48 * SBH // t + 16 * S * B, "full": 4 * SBH}
+    sp = {"none": 8 * SBH + 64 * SBH // t + 12 * A * S * S * B // t + 16 * S * B // t,
+          "selective": 8 * SBH + 64 * SBH // t + 16 * S * B // t, "full": 4 * SBH // t}
+    flags = TINY + ["--n_head", str(A), "--n_embd", str(H), "--block_size", str(S), "--batch_size", str(B),
+                    "--dropout", "0.1", "--max_iters", "1"]
+    runs = {}
+    argv = ["tp_train.py"]
+    for sequence_parallel in ("false", "true"):
+        for n_layer in (1, 2):
+            for mode in recompute.MODES:
+                out_dir = tmp_path / f"{sequence_parallel}-{n_layer}-{mode}"
+                runs[(sequence_parallel, n_layer, mode)] = out_dir
+                argv += flags + ["--n_layer", str(n_layer), "--sequence_parallel", sequence_parallel,
+                                 "--activation_checkpointing", mode, "--out_dir", str(out_dir), "---"]
+    result = launch("tests/runs.py", t, argv[:-1], torchrun=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def per_rank(key):
+        rows = [json.loads(line) for line in open(os.path.join(runs[key], "metrics.jsonl"))]
+        return next(r for r in rows if r.get("summary"))["saved_activation_bytes_per_rank"]
+    for sequence_parallel, expected in (("false", whole), ("true", sp)):
+        for mode in recompute.MODES:
+            one, two = per_rank((sequence_parallel, 1, mode)), per_rank((sequence_parallel, 2, mode))
+            assert [b - a for a, b in zip(one, two)] == [expected[mode]] * t, (sequence_parallel, mode)
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_torch_selective_policy_recomputes_the_attention_core_only(dropout, monkeypatch):
+    """PyTorch's selective (create_selective_checkpoint_contexts with attention_core_policy) on a block: the ops
+    it recomputes are SDPA's (the fused kernel; or the math path's bmm's, softmax and dropout on the scores), no
+    linear, LayerNorm or GELU; and the gradients are those without checkpointing, bit for bit."""
+    decisions = []
+    policy_fn = recompute.attention_core_policy
+
+    def recording(ctx, op, *args, **kwargs):
+        policy = policy_fn(ctx, op, *args, **kwargs)
+        decisions.append((op.__name__.split(".")[0], policy))
+        return policy
+    monkeypatch.setattr(recompute, "attention_core_policy", recording)
+    grads = []
+    for mode in ("none", "selective"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=S, vocab_size=64, n_layer=1, n_head=A, n_embd=H, dropout=dropout))
+        torch_checkpoint_blocks(model.transformer.h, mode)
+        idx = torch.randint(0, 64, (B, S))
+        model(idx, idx)[1].backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    recomputed = {op for op, policy in decisions if policy == torch.utils.checkpoint.CheckpointPolicy.MUST_RECOMPUTE}
+    saved = {op for op, policy in decisions if policy == torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE}
+    if dropout:
+        assert {"bmm", "_safe_softmax", "bernoulli_"} <= recomputed, recomputed
+    else:
+        assert recomputed == {"_scaled_dot_product_flash_attention_for_cpu"}, recomputed
+    assert {"addmm", "native_layer_norm", "gelu"} <= saved and not recomputed & {"addmm", "native_layer_norm", "gelu"}
