@@ -180,6 +180,16 @@ else
   extra pp-custom-1f1b-m8-vocab 2 pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8 --vocab_parallel --print_schedule
   extra pp-custom-1f1b-m8-stagelayers 2 pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8 --print_schedule \
     --n_embd 512 --n_head 8 --n_layer 10 --stage_layers 9,1 --block_size 32 --batch_size 8 --max_iters 10 --warmup_iters 2
+  # --activation_checkpointing none/selective/full per strategy (custom) at block 256 with dropout 0.1
+  # (CPU's SDPA then takes its math path, which keeps the T x T probabilities that selective drops):
+  # tokens/s, peak memory and the bytes kept for backward; common.report prints each mode against none.
+  AC="--block_size 256 --batch_size 8 --dropout 0.1 --max_iters 12 --warmup_iters 2"
+  for s in $SCRIPTS; do
+    case $s in cp) mode_flags="--cp_mode ulysses" ;; pp) mode_flags="--schedule 1f1b" ;; *) mode_flags="" ;; esac
+    for ac in none selective full; do
+      extra "ac-$s-$ac" "$NPROC" "${s}_train.py" $FLAGS $AC $mode_flags --activation_checkpointing $ac
+    done
+  done
   CP="--block_size 1024 --batch_size 2 --max_iters 10 --warmup_iters 2"  # about 2 s a step here
   if has cp; then
     run cp-limit-1proc-T1024 1 ddp_train.py $FLAGS $CP

@@ -244,10 +244,41 @@ def extra(runs_dir):
         details = ", ".join(cells)
         peak = mib(max(s["peak_mem_bytes_per_rank"]))
         print(f"{name:<32} {s['tokens_per_sec']:>10,.0f} {peak:>14}  {details}")
+    activation_checkpointing(runs_dir)
     if failed:
         print("FAILED: " + ", ".join(failed))
         return 1
     return 0
+
+
+def activation_checkpointing(runs_dir):
+    """The ac-<strategy>-<mode> runs: each mode's tokens/s, peak memory and kept bytes against none's."""
+    runs = {}
+    for name in os.listdir(runs_dir):
+        if name.startswith("ac-"):
+            run = load(os.path.join(runs_dir, name))
+            if run["ok"]:
+                runs[tuple(name[3:].rsplit("-", 1))] = run["summary"]
+    if not runs:
+        return
+    print(f"\n{'--activation_checkpointing':<28} {'tokens/s':>10} {'vs none':>8} {'peak MiB/rank':>14} "
+          f"{'kept MiB/rank':>14} {'vs none':>8}")
+    for strategy in sorted({s for s, _ in runs}):
+        none = runs.get((strategy, "none"))
+        for mode in ("none", "selective", "full"):
+            s = runs.get((strategy, mode))
+            if s is None or none is None:
+                continue
+            kept = s.get("saved_activation_bytes_per_rank") or s.get("peak_activation_bytes_per_rank")
+            kept_none = none.get("saved_activation_bytes_per_rank") or none.get(
+                "peak_activation_bytes_per_rank")
+            kept_cells = f"{'-':>14} {'-':>8}"
+            if kept and kept_none:
+                kept_cells = f"{max(kept) / 2**20:>14.1f} {max(kept) / max(kept_none):>8.2f}"
+            speed = s["tokens_per_sec"] / none["tokens_per_sec"]
+            peak = mib(max(s["peak_mem_bytes_per_rank"]))
+            print(f"{strategy + ' ' + mode:<28} {s['tokens_per_sec']:>10,.0f} {speed:>8.2f} "
+                  f"{peak:>14} {kept_cells}")
 
 
 if __name__ == "__main__":
