@@ -577,8 +577,8 @@ class TensorParallel:
         self.share_rng(resumed=state is not None)
         tp = TPGroup(self.tp_group, args.sequence_parallel, args.tp_overlap)
         self.model = TPGPT(tp, config, args.seed, device, args.loss_parallel, state)
-        # full: a block's recompute in backward runs its f and g again, so each block sends its
-        # two forward collectives (all-reduces; with SP an all-gather and a reduce-scatter) twice
+        # full: a block's recompute in backward runs its f and g again, so each block's forward
+        # collectives (2 all-reduces; with SP 2 all-gathers and 2 reduce-scatters) run twice
         checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
 
     def share_rng(self, resumed):
