@@ -231,7 +231,7 @@ def test_tp_overlap_equals_plain_tp(nproc, extra, shared_run):
 # schedule runs every micro-batch in one call). Every script at 2 ranks, custom and
 # pytorch (cp: custom, its peer needs CUDA), dropout 0 and 0.1 (cp's ring: 0, its only one); TP+SP (DP 2 x
 # TP 2) and the interleaved pipeline (4 ranks x 2 chunks) at 4 ranks.
-AC_STEPS = 4
+AC_STEPS = 3
 AC_MODES = ("none", "full", "selective")
 BOTH = ("custom", "pytorch")
 AC_ROWS = [

@@ -337,7 +337,8 @@ def _pipeline_grads(rank, p, cases):
     ref_grads = {n: q.grad for n, q in reference.named_parameters()}
     out = []
     for schedule, m, V, vp, layers in cases:
-        args = SimpleNamespace(schedule=schedule, n_microbatches=m, virtual_stages=V, seed=0, grad_accum_steps=1,
+        args = SimpleNamespace(activation_checkpointing="none",
+                               schedule=schedule, n_microbatches=m, virtual_stages=V, seed=0, grad_accum_steps=1,
                                dtype="float32", vocab_parallel=vp,
                                stage_layers=layers or [CONFIG.n_layer // p // V] * p * V,
                                weight_decay=0.1, learning_rate=1e-3, beta1=0.9, beta2=0.95)
@@ -497,7 +498,8 @@ def _restore(rank, p):
     model_state = GPT(CONFIG, seed=1).state_dict()
     optimizer_state = {n: {"step": torch.tensor(3.0), "exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t)}
                        for n, t in model_state.items() if n != "lm_head.weight"}
-    args = SimpleNamespace(schedule="1f1b", n_microbatches=2, virtual_stages=1, seed=0, grad_accum_steps=1,
+    args = SimpleNamespace(activation_checkpointing="none",
+                           schedule="1f1b", n_microbatches=2, virtual_stages=1, seed=0, grad_accum_steps=1,
                            dtype="float32", vocab_parallel=True, stage_layers=[CONFIG.n_layer // p] * p,
                            weight_decay=0.1, learning_rate=1e-3, beta1=0.9, beta2=0.95)
     model = Pipeline(CONFIG, args, torch.device("cpu"), model_state)

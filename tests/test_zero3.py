@@ -19,7 +19,7 @@ from conftest import (CUT, PARITY, PARITY_STEPS, TINY, DeviceMemory, cpu_copies_
 from common.distributed import clip_grad_norm_
 from common.config import parse_args
 from common.data import get_batch
-from common.metrics import held_bytes, model_state_bytes
+from common.metrics import activations, held_bytes, model_state_bytes
 from common.model import GPT, PRESETS, GPTConfig, configure_optimizer, init_tensor, num_params
 from zero3_train import (STAGES, GradientBuckets, ParamFetcher, ReduceToOwner, ZeRO1, ZeRO2, ZeRO3, add_zero3_flags,
                          gather_full_state, materialize_owned_, partition)
@@ -409,6 +409,7 @@ def _saved_tensors_bf16(rank, world_size):
     strategy.model.register_forward_hook(lambda m, a, out: after_forward.append(
         (held("weight"), held("copy"), held_bytes(f for f in fetcher.fetched if fetcher.buffer_owner[f] != rank))))
     x, y = _rows(rank, world_size, CONFIG)
+    activations.measured = True  # the meter's hooks, inside these, would hide them: the innermost are used
     with Copies(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         strategy.forward_backward(x, y, True)
     masters = [master for _, master in strategy.kept]
