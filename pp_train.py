@@ -1,4 +1,4 @@
-"""PP: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B), written by hand with send/recv.
+"""PP: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, zero bubble), by hand with send/recv.
 
 The n_layer blocks are cut into n_stages = pp_size * V stages, V = --virtual_stages chunks per rank
 (n_chunks): rank r runs stages r, r + pp_size, ...; equal ones, or --stage_layers 3,1 (blocks per
@@ -17,6 +17,11 @@ The schedule orders each rank's forwards (F) and backwards (B). With equal stage
                live, whatever M is.
   interleaved  1F1B over V chunks per rank (Megatron): a bubble of (pp_size-1)/(V*M+pp_size-1),
                for V times more messages.
+  zb1p         ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): B computes only the
+               input's gradient, which the stage before waits for; each block linear's weight
+               gradient waits for a W action (DeferredWeightGrads) that fills the cool-down's waits.
+               With T_F = T_B = T_W the idle time falls from (pp_size-1)(T_F+T_B+T_W) to
+               (pp_size-1)(T_F+T_B-T_W); at most pp_size micro-batches live, as 1F1B's first rank.
 The head and loss (2*vocab*C FLOPs a token) make the last stage the slowest unless n_layer >=
 vocab/(12C) blocks can balance them. --vocab_parallel (Yeung et al. 2024, "Balancing Pipeline
 Parallelism with Vocabulary Parallelism") splits them over all p ranks instead: rank r holds
@@ -56,6 +61,8 @@ from common.model import GPT, configure_optimizer, init_tensor
 from common.recompute import checkpoint_blocks
 from common.schedule_report import ScheduleReport, stage_plan
 import peers.torch_pp
+
+ZERO_BUBBLE = ("zb1p",)  # the schedules whose backward is split into B and W
 
 WTE_NAME = "transformer.wte.weight"  # lm_head.weight is tied to it: the last stage holds a copy
 
@@ -118,6 +125,74 @@ class Stage(nn.Module):
         return nn.functional.cross_entropy(flat_logits, targets.flatten())
 
 
+# ---- the strategy: the backward split in two, for the zero-bubble schedule -------------------
+
+class DeferredWeightGrads:
+    """B and W of --schedule zb1p. A block's linears (deferred_linear) run their backward in two
+    parts: at B the input's gradient dX = dY W, which the stage before waits for; their weight's,
+    dW = dY^T X, and bias's, sum(dY), are queued under the micro-batch and chunk (DeepSeek's
+    WeightGradStore) and run at its W, which waits for nothing. X is what forward saved, dY what B
+    computed: both stay until W. LayerNorms and the embeddings (the little rest) keep autograd's
+    own backward, in B."""
+
+    def __init__(self):
+        self.key = None  # the (micro-batch, chunk) whose B is running
+        self.queues = {}
+
+    def defer(self, weight_grad):
+        self.queues.setdefault(self.key, []).append(weight_grad)
+
+    @torch.no_grad()  # outside autograd's backward: no graph of the gradients
+    def run(self, key):
+        for weight_grad in self.queues.pop(key, []):
+            weight_grad()
+
+
+def accumulate_grad_(param, grad):
+    """param.grad += grad, as autograd accumulates it (across micro-batches and micro-steps)."""
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+class DeferredLinear(torch.autograd.Function):
+    """y = x W^T + b whose backward returns dX only and queues dW and db on `store`."""
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.store, ctx.x_dtype, ctx.params = store, x.dtype, (weight, bias)
+        if torch.is_autocast_enabled(x.device.type):  # backward runs outside autocast: cast now
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        ctx.save_for_backward(x, weight)
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy = dy.to(weight.dtype)
+        weight_param, bias_param = ctx.params
+
+        def weight_grad():  # at W: (out, in) = dY^T X, summed over the micro-batch's tokens
+            accumulate_grad_(weight_param, dy.flatten(0, -2).t() @ x.flatten(0, -2))
+            if bias_param is not None:
+                accumulate_grad_(bias_param, dy.flatten(0, -2).sum(0))
+        ctx.store.defer(weight_grad)
+        return (dy @ weight).to(ctx.x_dtype), None, None, None
+
+
+def defer_weight_grads(chunk, store):
+    """Every nn.Linear of `chunk` (its blocks', and the head's on the last stage) computes through
+    DeferredLinear, its parameters unchanged."""
+    for module in chunk.modules():
+        if isinstance(module, nn.Linear):
+            module.forward = lambda x, m=module: DeferredLinear.apply(x, m.weight, m.bias, store)
+
+
+# ---- the strategy: the schedules, as data ----------------------------------------------------
+
 def schedule_actions(schedule, rank, stages, microbatches, n_chunks=1, vocab_parallel=False):
     """The ordered actions of `rank` for one batch: (op, microbatch, chunk) with op "F" or "B", and
     with --vocab_parallel ("L", microbatch, 0): the micro-batch's vocabulary pass, forward and
@@ -137,6 +212,8 @@ def schedule_actions(schedule, rank, stages, microbatches, n_chunks=1, vocab_par
     def backward(k):
         return ("B", k // (p * n_chunks) * p + k % p, n_chunks - 1 - k // p % n_chunks)
 
+    if schedule == "zb1p":
+        return zero_bubble_h1(p, microbatches, rank)
     if vocab_parallel and schedule != "1f1b":
         # L(k) on every rank in the step after the last stage's F(k) in the plain schedule's
         # timetable: the same order everywhere, and no rank reaches it much before the others.
@@ -179,13 +256,32 @@ def schedule_actions(schedule, rank, stages, microbatches, n_chunks=1, vocab_par
     return actions
 
 
+def zero_bubble_h1(p, m, rank):
+    """ZB-H1's actions for `rank` (chunk 0): 1F1B with each backward split into B and W, and W held
+    back. Rank r warms up with p-r forwards (one more than 1F1B), then runs B(k), W(k-r) and the
+    next F, and at the end the r W's it held back. On a clock of equal F, B and W steps the first
+    rank never waits after its warm-up, and with m >= p the step takes 3m + p - 1 steps, 1F1B's
+    3m + 3(p-1) less 2(p-1) (tests/test_pp.py). Live micro-batches (F done, W not yet): at most p
+    on every rank."""
+    warmup = min(p - rank, m)
+    actions = [("F", k, 0) for k in range(warmup)]
+    for k in range(m):
+        actions.append(("B", k, 0))
+        if k >= rank:  # rank r's W lags r micro-batches: it fills r waits of the cool-down
+            actions.append(("W", k - rank, 0))
+        if warmup + k < m:
+            actions.append(("F", warmup + k, 0))
+    actions += [("W", k, 0) for k in range(max(m - rank, 0), m)]
+    return actions
+
+
 def messages(action, rank, pp_size, n_stages):
     """What `action` on `rank` receives and sends, each (peer rank, name), None at the ends of the
     pipeline. A message is named (op, micro-batch, sending stage): F sends its output to the next
     stage, B its input's gradient back. A vocabulary pass (L) exchanges none: its collectives run
     on every rank in the same step (see timetable)."""
     op, mb, c = action
-    if op == "L":
+    if op in ("L", "W"):  # W: a weight gradient, on this rank's own tensors
         return None, None
     s = c * pp_size + rank  # the global stage
     direction = 1 if op == "F" else -1
@@ -308,6 +404,7 @@ class Pipeline:
     """The strategy behind the loop's few methods: this rank's chunks (Stages) and its schedule's
     actions."""
     checkpoint_blocks = staticmethod(checkpoint_blocks)  # --activation_checkpointing's, by hand
+    splits_backward = True  # zb1p: B and W by DeferredWeightGrads
 
     def __init__(self, config, args, device, state=None):
         self.config, self.args, self.device = config, args, device
@@ -330,6 +427,10 @@ class Pipeline:
             # only each block's input from F to B (the schedule's live activations shrink)
             self.checkpoint_blocks(self.chunks[-1].transformer.h.values(),
                                    args.activation_checkpointing)
+        self.deferred = DeferredWeightGrads()  # zb1p: the W actions' weight gradients
+        if args.schedule in ZERO_BUBBLE and self.splits_backward:
+            for chunk in self.chunks:
+                defer_weight_grads(chunk, self.deferred)
         # Made by every rank, in the same order. p2p_group: the pipeline's messages, apart from the
         # loop's collectives; vocab_group: the vocabulary passes' collectives; tied_groups[r]:
         # rank 0 (wte) and rank r, which holds a copy of some of its rows.
@@ -346,7 +447,7 @@ class Pipeline:
         self.program = p2p_program(timetable(every, self.n_stages), self.rank, self.n_stages)
         forwards = []  # evaluation: the same actions without the backwards
         for actions in every:
-            forwards.append([action for action in actions if action[0] != "B"])
+            forwards.append([action for action in actions if action[0] not in ("B", "W")])
         self.eval_program = p2p_program(timetable(forwards, self.n_stages), self.rank,
                                         self.n_stages)
 
@@ -435,11 +536,15 @@ class Pipeline:
                     if r == p - 1:  # dh: for the last stage's B, as if sent by a stage after it
                         loss_sum += loss / len(xs)
                         inbox[("B", mb, last + 1)] = dh
+                elif op == "W":  # zb1p: the block linears' weight gradients that B queued
+                    with timers("compute", label=action):
+                        self.deferred.run((mb, c))
                 else:  # B: from the gradient of our output (none on the last stage: its loss)
                     inp, edge = stash.pop((mb, c))
                     grad_out = None
                     if s != last or vp:
                         grad_out = inbox.pop(("B", mb, s + 1))  # sent by the next stage
+                    self.deferred.key = (mb, c)  # zb1p: where this B's weight gradients wait
                     with timers("compute", label=action):
                         torch.autograd.backward(edge, grad_out)
                     result = inp.grad  # d(loss)/d(our input), for the previous stage
@@ -511,7 +616,8 @@ class TorchPipeline(peers.torch_pp.TorchPipeline, Pipeline):
 
 
 def add_pp_flags(group):
-    group.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
+    group.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", *ZERO_BUBBLE],
+                       default="1f1b")
     group.add_argument("--n_microbatches", type=int, default=4, help="micro-batches per micro-step")
     group.add_argument("--virtual_stages", type=int, default=None,
                        help="chunks per rank, interleaved only (default 2)")
@@ -558,6 +664,10 @@ def check_pp_args(args, world_size):
         if min(args.stage_layers) < 1 or sum(args.stage_layers) != args.n_layer:
             die(f"--stage_layers: every stage needs >= 1 block and they must sum to --n_layer "
                 f"({args.n_layer}), got {args.stage_layers}")
+    if args.vocab_parallel and args.schedule in ZERO_BUBBLE:  # see the README's pipeline notes
+        die(f"--vocab_parallel: not with --schedule {args.schedule}: the vocabulary pass is a "
+            "rendezvous of every rank each micro-batch, where the zero-bubble order has ranks at "
+            "different micro-batches")
     if args.vocab_parallel and (args.implementation != "custom" or pp_size == 1):
         die("--vocab_parallel: true needs --implementation custom and at least 2 ranks")
     if args.vocab_parallel and args.vocab_size % pp_size:
@@ -571,6 +681,11 @@ def check_pp_args(args, world_size):
     if args.schedule == "interleaved" and args.n_microbatches % pp_size:
         die(f"--n_microbatches: must be a multiple of the number of ranks ({pp_size}) for "
             "--schedule interleaved")
+    if (args.implementation == "pytorch" and args.schedule in ZERO_BUBBLE
+            and args.activation_checkpointing != "none"):  # torch 2.13, README's pipeline notes
+        die(f"--activation_checkpointing: torch's zero-bubble schedule cannot split the backward "
+            f"of a checkpointed block into B and W (its stage_backward_weight fails); use "
+            f"--activation_checkpointing none, --implementation custom, or another --schedule")
     if args.implementation == "pytorch":  # what torch's schedules need beyond the floor, on gloo
         check_torch("2.10", "--implementation: pytorch (torch.distributed.pipelining)",
                     "on 2.9 its first step's shape inference fails: "

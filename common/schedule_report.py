@@ -54,14 +54,16 @@ def peak_live(actions, sizes=None):
     """The most a schedule holds between forwards and their backwards (the max over its prefixes):
     live micro-batches, or bytes with sizes[chunk] = what one micro-batch's forward through that
     chunk saves. A vocabulary pass (L) holds nothing after it (its forward and backward are one
-    action)."""
+    action). With W actions (zb1p) a micro-batch is live until its W: the linears' inputs stay
+    for their weight gradients."""
     live = 0
     peak = 0
+    release = "W" if any(op == "W" for op, _, _ in actions) else "B"
     for op, _, chunk in actions:
         held = 1 if sizes is None else sizes[chunk]
         if op == "F":
             live += held
-        elif op == "B":
+        elif op == release:
             live -= held
         peak = max(peak, live)
     return peak
@@ -81,6 +83,16 @@ def activation_bytes(model, rows, T):
             chunk(inp, ids.clone())  # targets: their own storage, as in training
         sizes.append(meter.bytes)
     return sizes
+
+
+def zero_bubble_times(steps):
+    """The median seconds of one F, B and W action over every rank and step, or None when the
+    schedule has no W."""
+    spans = [(label[0], t1 - t0) for step in steps for rank_spans in step
+             for label, t0, t1 in rank_spans]
+    if not any(op == "W" for op, _ in spans):
+        return None
+    return [statistics.median(t for o, t in spans if o == op) for op in "FBW"]
 
 
 class ScheduleReport:
@@ -134,6 +146,11 @@ class ScheduleReport:
         for r in range(p):
             compute_ms.append(1000 * statistics.median([step_busy[r] for step_busy in busy]))
         theory = (p - 1) / (n_chunks * M + p - 1)  # for equal stages
+        split = zero_bubble_times(self.steps)  # zb1p: T_F, T_B, T_W measured
+        if split is not None:  # Qi et al.: 1F1B idles (p-1)(T_F+T_B+T_W), ZB-H1 (p-1)(T_F+T_B-T_W)
+            t_f, t_b, t_w = split
+            idle = (p - 1) * (t_f + t_b - t_w)
+            theory = idle / (M * (t_f + t_b + t_w) + idle)
         # For the measured stage times: the slowest stage computes throughout, every other adds
         # one micro-batch's (chunk's) share to fill and drain the pipeline.
         slowest = max(compute_ms)
@@ -143,8 +160,13 @@ class ScheduleReport:
             self.print_timeline(ends[-1])
             v_times = "V*" if n_chunks > 1 else ""
             v_equals = f", V={n_chunks}" if n_chunks > 1 else ""
+            formula = f"(p-1)/({v_times}m+p-1) with p={p}, m={M}{v_equals}"
+            if split is not None:
+                formula = (f"(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)) with p={p}, m={M} and the "
+                           f"measured F, B, W {[round(1000 * t, 2) for t in split]} ms (1F1B's, "
+                           f"(p-1)/(m+p-1): {(p - 1) / (M + p - 1):.1%})")
             print(f"bubble: measured {bubble:.1%} (median of {len(ends)} steps, mean over ranks), "
-                  f"theory {theory:.1%} = (p-1)/({v_times}m+p-1) with p={p}, m={M}{v_equals}")
+                  f"theory {theory:.1%} = {formula}")
             print(f"  the theory assumes equal stages; measured F+B ms per step and rank: "
                   f"{[round(ms) for ms in compute_ms]}, for which the same model of the schedule "
                   f"gives {staged:.1%}")

@@ -14,11 +14,13 @@ from common.recompute import torch_checkpoint_blocks
 
 class TorchPipeline:
     checkpoint_blocks = staticmethod(torch_checkpoint_blocks)  # Pipeline.__init__ applies it
+    splits_backward = False  # zb1p: torch's schedule splits B and W itself
 
     def __init__(self, config, args, device, state=None):
         super().__init__(config, args, device, state)  # Pipeline's: this rank's chunks and groups
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+                                                  ScheduleInterleaved1F1B,
+                                                  ScheduleInterleavedZeroBubble)
         stages = []
         for c, chunk in enumerate(self.chunks):  # chunk c of rank r: global stage c*pp_size + r
             stages.append(PipelineStage(chunk, c * self.pp_size + self.rank, self.n_stages, device))
@@ -28,6 +30,8 @@ class TorchPipeline:
         options = dict(scale_grads=False, loss_fn=self.scaled_loss)
         if args.schedule == "interleaved":  # all of this rank's stages
             self.schedule = ScheduleInterleaved1F1B(stages, self.M, **options)
+        elif args.schedule == "zb1p":  # torch's zero bubble, B and W split by its own autograd
+            self.schedule = ScheduleInterleavedZeroBubble(stages, self.M, **options)
         elif args.schedule == "1f1b":
             self.schedule = Schedule1F1B(stages[0], self.M, **options)
         else:

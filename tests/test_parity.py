@@ -52,6 +52,11 @@ STRATEGIES = [
     ("pp_train.py", "custom", 2, ["--schedule", "interleaved", "--n_layer", "4", "--vocab_parallel"]),
     ("pp_train.py", "pytorch", 2, ["--schedule", "interleaved", "--n_layer", "4"]),
     ("pp_train.py", "custom", 4, ["--schedule", "1f1b", "--n_layer", "4", "--vocab_parallel"]),
+    # zero bubble (ZB-H1): B and W split, custom (with accumulation) and torch's ScheduleInterleavedZeroBubble
+    ("pp_train.py", "custom", 2, ["--schedule", "zb1p", "--grad_accum_steps", "2"]),
+    ("pp_train.py", "pytorch", 2, ["--schedule", "zb1p"]),
+    ("pp_train.py", "custom", 4, ["--schedule", "zb1p", "--n_layer", "4"]),
+    ("pp_train.py", "pytorch", 4, ["--schedule", "zb1p", "--n_layer", "4"]),
     # zero3: default (all partitioned); 4 ranks with biases/LayerNorms persistent, accumulation, no prefetch.
     # (PyTorch's FSDP2, the peer of both fsdp and zero3, runs at 2 ranks in three rows: with accumulation in fsdp's.)
     ("zero3_train.py", "custom", 2, []),
@@ -239,7 +244,8 @@ AC_ROWS = [
     ("fsdp_train.py", 2, [(impl, d, []) for impl in BOTH for d in (0.0, 0.1)]),
     ("zero3_train.py", 2, [(impl, d, []) for impl in BOTH for d in (0.0, 0.1)]),
     ("tp_train.py", 2, [(impl, d, []) for impl in BOTH for d in (0.0, 0.1)]),
-    ("pp_train.py", 2, [(impl, d, ["--schedule", "1f1b"]) for impl in BOTH for d in (0.0, 0.1)]),
+    ("pp_train.py", 2, [(impl, d, ["--schedule", "1f1b"]) for impl in BOTH for d in (0.0, 0.1)]
+     + [("custom", 0.1, ["--schedule", "zb1p"])]),  # the recompute inside B, the weight gradients at W
     ("cp_train.py", 2, [("custom", 0.0, []), ("custom", 0.0, ["--cp_mode", "ulysses"]),
                         ("custom", 0.1, ["--cp_mode", "ulysses"])]),
     ("tp_train.py", 4, [(impl, 0.1, ["--tensor_parallel_size", "2", "--sequence_parallel"]) for impl in BOTH]),
