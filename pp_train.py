@@ -22,6 +22,10 @@ The schedule orders each rank's forwards (F) and backwards (B). With equal stage
                gradient waits for a W action (DeferredWeightGrads) that fills the cool-down's waits.
                With T_F = T_B = T_W the idle time falls from (pp_size-1)(T_F+T_B+T_W) to
                (pp_size-1)(T_F+T_B-T_W); at most pp_size micro-batches live, as 1F1B's first rank.
+  zbv          ZB-V: two chunks a rank in a V (rank r: stages r and 2p-1-r, so the first and the
+               last stage, and the tied wte and lm_head, share rank 0), B and W split as in zb1p,
+               ordered by zero_bubble_v: a rank idles about (pp_size-1) chunk steps, half of a stage's
+               T, with 1F1B's activation memory.
 The head and loss (2*vocab*C FLOPs a token) make the last stage the slowest unless n_layer >=
 vocab/(12C) blocks can balance them. --vocab_parallel (Yeung et al. 2024, "Balancing Pipeline
 Parallelism with Vocabulary Parallelism") splits them over all p ranks instead: rank r holds
@@ -62,7 +66,7 @@ from common.recompute import checkpoint_blocks
 from common.schedule_report import ScheduleReport, stage_plan
 import peers.torch_pp
 
-ZERO_BUBBLE = ("zb1p",)  # the schedules whose backward is split into B and W
+ZERO_BUBBLE = ("zb1p", "zbv")  # the schedules whose backward is split into B and W
 
 WTE_NAME = "transformer.wte.weight"  # lm_head.weight is tied to it: the last stage holds a copy
 
@@ -214,6 +218,8 @@ def schedule_actions(schedule, rank, stages, microbatches, n_chunks=1, vocab_par
 
     if schedule == "zb1p":
         return zero_bubble_h1(p, microbatches, rank)
+    if schedule == "zbv":
+        return zero_bubble_v(p, microbatches)[rank]
     if vocab_parallel and schedule != "1f1b":
         # L(k) on every rank in the step after the last stage's F(k) in the plain schedule's
         # timetable: the same order everywhere, and no rank reaches it much before the others.
@@ -275,7 +281,73 @@ def zero_bubble_h1(p, m, rank):
     return actions
 
 
-def messages(action, rank, pp_size, n_stages):
+def zero_bubble_v(p, m):
+    """ZB-V's actions for every rank, by list scheduling on a clock of equal F, B and W steps (each a
+    chunk's: half a stage of ZB-H1's): in each step every rank runs the first that can run of a B
+    (its output's gradient has come; the later chunk first), an F (its input has come, and fewer
+    than 2p chunk micro-batches await their W: 1F1B's peak of p whole stages) or its oldest waiting
+    W, else it idles. What a step sends arrives for the next step."""
+    n_stages = 2 * p
+    done = {}  # (op, micro-batch, stage) -> the step it ran in
+    next_f, next_b = [[0, 0] for _ in range(p)], [[0, 0] for _ in range(p)]
+    waiting_w = [[] for _ in range(p)]  # (micro-batch, chunk) of each B whose W has not run
+    live = [0] * p
+    orders = [[] for _ in range(p)]
+    step = 0
+
+    def came(op, mb, stage):  # stage's op(mb) ran in an earlier step; stage None: no input needed
+        return stage is None or done.get((op, mb, stage), step) < step
+    while any(len(order) < 6 * m for order in orders):
+        chosen = []
+        for r in range(p):
+            pick = None
+            for c in (1, 0):
+                s, k = stage_index(r, c, p, True), next_b[r][c]
+                after = s + 1 if s < n_stages - 1 else None
+                if pick is None and k < next_f[r][c] and came("F", k, s) and came("B", k, after):
+                    pick = ("B", k, c)
+            for c in (1, 0):
+                s, k = stage_index(r, c, p, True), next_f[r][c]
+                before = s - 1 if s > 0 else None
+                if pick is None and k < m and live[r] < 2 * p and came("F", k, before):
+                    pick = ("F", k, c)
+            if pick is None and waiting_w[r]:
+                pick = ("W", *waiting_w[r][0])
+            chosen.append(pick)
+        for r, action in enumerate(chosen):
+            if action is None:
+                continue
+            op, k, c = action
+            done[(op, k, stage_index(r, c, p, True))] = step
+            orders[r].append(action)
+            if op == "F":
+                next_f[r][c] += 1
+                live[r] += 1
+            elif op == "B":
+                next_b[r][c] += 1
+                waiting_w[r].append((k, c))
+            else:
+                waiting_w[r].pop(0)
+                live[r] -= 1
+        step += 1
+    return orders
+
+
+def stage_index(rank, chunk, pp_size, v_shape=False):
+    """The global stage of `rank`'s chunk: c*pp_size + rank, or in a V (zbv) rank, then 2p-1-rank."""
+    if v_shape and chunk:
+        return 2 * pp_size - 1 - rank
+    return chunk * pp_size + rank
+
+
+def stage_rank(stage, pp_size, v_shape=False):
+    """The rank that holds global stage `stage` (the inverse of stage_index)."""
+    if v_shape and stage >= pp_size:
+        return 2 * pp_size - 1 - stage
+    return stage % pp_size
+
+
+def messages(action, rank, pp_size, n_stages, v_shape=False):
     """What `action` on `rank` receives and sends, each (peer rank, name), None at the ends of the
     pipeline. A message is named (op, micro-batch, sending stage): F sends its output to the next
     stage, B its input's gradient back. A vocabulary pass (L) exchanges none: its collectives run
@@ -283,16 +355,19 @@ def messages(action, rank, pp_size, n_stages):
     op, mb, c = action
     if op in ("L", "W"):  # W: a weight gradient, on this rank's own tensors
         return None, None
-    s = c * pp_size + rank  # the global stage
+    s = stage_index(rank, c, pp_size, v_shape)  # the global stage
     direction = 1 if op == "F" else -1
     source = s - direction
     target = s + direction
-    recv = (source % pp_size, (op, mb, source)) if 0 <= source < n_stages else None
-    send = (target % pp_size, (op, mb, s)) if 0 <= target < n_stages else None
+    recv = send = None
+    if 0 <= source < n_stages:
+        recv = (stage_rank(source, pp_size, v_shape), (op, mb, source))
+    if 0 <= target < n_stages:
+        send = (stage_rank(target, pp_size, v_shape), (op, mb, s))
     return recv, send
 
 
-def timetable(actions, n_stages):
+def timetable(actions, n_stages, v_shape=False):
     """Every rank's actions (actions[r]: rank r's, in order) on one clock of equal steps, as
     PyTorch's pipelining lays out its multi-stage schedules: a rank runs its next action at the
     first step after the one that sent the message it needs, and idles (None) until then; a
@@ -310,19 +385,19 @@ def timetable(actions, n_stages):
             if queue[0][0] == "L":  # a rendezvous: the next action of every rank
                 ready[r] = all(other and other[0] == queue[0] for other in todo)
             else:
-                need = messages(queue[0], r, p, n_stages)[0]
+                need = messages(queue[0], r, p, n_stages, v_shape)[0]
                 ready[r] = need is None or need[1] in sent
         step = [queue.pop(0) if go else None for queue, go in zip(todo, ready)]
         assert any(step), "the schedule waits for itself"
         for r, action in enumerate(step):
             table[r].append(action)
-            send = action and messages(action, r, p, n_stages)[1]
+            send = action and messages(action, r, p, n_stages, v_shape)[1]
             if send:
                 sent.add(send[1])
     return table
 
 
-def p2p_program(table, rank, n_stages):
+def p2p_program(table, rank, n_stages, v_shape=False):
     """This rank's program, one entry per step of the timetable: (its action or None, the messages
     exchanged after it, as (peer, is_send, name)): what its action sends, and what the neighbours'
     actions of the same step send to it. Under NCCL a send may complete only when its receive is
@@ -330,14 +405,17 @@ def p2p_program(table, rank, n_stages):
     are posted together (one batch_isend_irecv) and waited before the next step, as
     torch.distributed.pipelining does: every message is received in the step it is sent, in the
     same order on both sides, and no rank waits in a send for a peer that waits in a send itself
-    (when interleaved, activations flow both ways between ranks 0 and pp_size-1)."""
+    (when interleaved, activations flow both ways between ranks 0 and pp_size-1). In a V (zbv)
+    stage p-1 sends to stage p on its own rank: no message, the executor keeps it."""
     p = len(table)
     program = []
     for tick, action in enumerate(table[rank]):
         ops = []
         for other in range(p):
             theirs = table[other][tick]
-            send = theirs and messages(theirs, other, p, n_stages)[1]
+            send = theirs and messages(theirs, other, p, n_stages, v_shape)[1]
+            if send and send[0] == other:  # to its own next chunk
+                continue
             if send and other == rank:  # what my action sends
                 ops.append((send[0], True, send[1]))
             elif send and send[0] == rank:  # what a neighbour's action sends me
@@ -414,9 +492,12 @@ class Pipeline:
         n_chunks = args.virtual_stages
         vp = args.vocab_parallel
         self.n_stages = self.pp_size * n_chunks
+        self.v_shape = args.schedule == "zbv"  # chunk 1 of rank r: stage 2p-1-r
+        self.loss_rank = stage_rank(self.n_stages - 1, self.pp_size, self.v_shape)  # the last stage's
         first_block = list(itertools.accumulate(args.stage_layers, initial=0))
         self.chunks = nn.ModuleList()
-        for c, s in enumerate(range(self.rank, self.n_stages, self.pp_size)):  # s: global stage
+        for c in range(n_chunks):
+            s = stage_index(self.rank, c, self.pp_size, self.v_shape)  # its global stage
             # lm_head: all rows on the last stage; with --vocab_parallel my rows on my first chunk
             holds_head = (c == 0) if vp else (s == self.n_stages - 1)
             head = self.head_rows(self.rank) if holds_head else None
@@ -438,18 +519,21 @@ class Pipeline:
         self.vocab_group = dist.new_group() if vp else None
         self.tied_groups = {}
         for r in range(1, self.pp_size):
-            if vp or r == self.pp_size - 1:
+            if vp or r == self.loss_rank:  # zbv: the head is on rank 0, with wte: no group
                 self.tied_groups[r] = dist.new_group([0, r])
         every = []  # every rank's actions: the timetable needs them all
         for r in range(self.pp_size):
             every.append(schedule_actions(args.schedule, r, self.pp_size, self.M, n_chunks, vp))
         self.actions = every[self.rank]
-        self.program = p2p_program(timetable(every, self.n_stages), self.rank, self.n_stages)
+        v, n = self.v_shape, self.n_stages
+        self.program = p2p_program(timetable(every, n, v), self.rank, n, v)
         forwards = []  # evaluation: the same actions without the backwards
         for actions in every:
             forwards.append([action for action in actions if action[0] not in ("B", "W")])
-        self.eval_program = p2p_program(timetable(forwards, self.n_stages), self.rank,
-                                        self.n_stages)
+        self.eval_program = p2p_program(timetable(forwards, n, v), self.rank, n, v)
+
+    def stage_of(self, chunk):
+        return stage_index(self.rank, chunk, self.pp_size, self.v_shape)
 
     def head_rows(self, rank):
         """The rows of the tied wte that `rank`'s lm_head holds: vocab/p of them each with
@@ -500,7 +584,7 @@ class Pipeline:
         for action, exchange in program:
             if action is not None:
                 op, mb, c = action
-                s = c * p + r  # this chunk's global stage
+                s = self.stage_of(c)  # this chunk's global stage
                 if op == "F":  # the input: token ids on stage 0, else the previous stage's output
                     if s == 0:
                         inp = xs[mb]
@@ -536,7 +620,7 @@ class Pipeline:
                     if r == p - 1:  # dh: for the last stage's B, as if sent by a stage after it
                         loss_sum += loss / len(xs)
                         inbox[("B", mb, last + 1)] = dh
-                elif op == "W":  # zb1p: the block linears' weight gradients that B queued
+                elif op == "W":  # zb1p, zbv: the linears' weight gradients that B queued
                     with timers("compute", label=action):
                         self.deferred.run((mb, c))
                 else:  # B: from the gradient of our output (none on the last stage: its loss)
@@ -549,6 +633,9 @@ class Pipeline:
                         torch.autograd.backward(edge, grad_out)
                     result = inp.grad  # d(loss)/d(our input), for the previous stage
                     del inp, edge, grad_out
+                send = messages(action, r, p, self.n_stages, self.v_shape)[1]
+                if send and send[0] == r:  # zbv: to this rank's other chunk, kept, not sent
+                    inbox[send[1]] = result
             # This step's messages, 4*rows*T*C bytes each: our result to rank r+1 (F) or r-1 (B),
             # and what they sent us in this step, as one batch, waited here (see p2p_program).
             ops = []
@@ -637,8 +724,8 @@ def check_pp_args(args, world_size):
         die(f"--virtual_stages: only with --schedule interleaved (got --schedule {args.schedule})")
     if args.print_schedule and args.implementation != "custom":  # torch's schedules: no timeline
         die("--print_schedule: true is only supported by --implementation custom")
-    if args.virtual_stages is None:
-        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
+    if args.virtual_stages is None:  # zbv: two chunks a rank, in a V
+        args.virtual_stages = 2 if args.schedule in ("interleaved", "zbv") else 1
     n_chunks = args.virtual_stages
     if n_chunks <= 0:
         die("--virtual_stages: must be > 0")
@@ -732,7 +819,7 @@ def main(argv=None):
                 x, y = get_batch(split, i, B, T, args.seed + 1, args.dataset)
                 x, y = x[mine].to(device), y[mine].to(device)
                 total += model.eval_loss(x, y)
-            dist.broadcast(total, src=world_size - 1)  # 4 bytes from the last stage to every rank
+            dist.broadcast(total, src=model.loss_rank)  # 4 bytes from the last stage to every rank
             out[split] = total.item() / args.eval_iters
         return out
 
@@ -756,7 +843,7 @@ def main(argv=None):
         # Logged loss: the mean over all B*T tokens of the global batch (equal chunks: mean of
         # means).
         loss_sum /= A
-        dist.broadcast(loss_sum, src=world_size - 1)  # the last stage's: 4 bytes to every rank
+        dist.broadcast(loss_sum, src=model.loss_rank)  # the last stage's: 4 bytes to every rank
         norm = model.clip_grad_norm_(args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # zero in place: gradients that are views stay views

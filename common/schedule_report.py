@@ -29,7 +29,8 @@ def stage_plan(config, args, pp_size):
         a, b = first_block[s], first_block[s + 1]
         own_head = s == n_stages - 1 and not args.vocab_parallel
         cost = (b - a) * (24 * C * C + 4 * T * C) * gflop
-        line = f"stage {s} (rank {s % pp_size}): "
+        rank = 2 * pp_size - 1 - s if args.schedule == "zbv" and s >= pp_size else s % pp_size
+        line = f"stage {s} (rank {rank}): "
         if s == 0:
             cost += C * gflop
             line += "wte, wpe, "
@@ -39,7 +40,7 @@ def stage_plan(config, args, pp_size):
         if own_head:
             cost += head
             line += ", lm_head"
-        per_rank[s % pp_size] += cost
+        per_rank[rank] += cost
         plan.append(f"{line}: {cost:.2f}")
     if args.vocab_parallel:
         rows = vocab // pp_size

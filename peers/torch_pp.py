@@ -20,10 +20,11 @@ class TorchPipeline:
         super().__init__(config, args, device, state)  # Pipeline's: this rank's chunks and groups
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B,
-                                                  ScheduleInterleavedZeroBubble)
+                                                  ScheduleInterleavedZeroBubble,
+                                                  ScheduleZBVZeroBubble)
         stages = []
-        for c, chunk in enumerate(self.chunks):  # chunk c of rank r: global stage c*pp_size + r
-            stages.append(PipelineStage(chunk, c * self.pp_size + self.rank, self.n_stages, device))
+        for c, chunk in enumerate(self.chunks):  # chunk c: global stage c*pp_size + r, or V-shaped
+            stages.append(PipelineStage(chunk, self.stage_of(c), self.n_stages, device))
         # The loss pre-scaled like Pipeline's: torch's scale_grads would also divide the .grad of
         # earlier micro-steps.
         self.loss_scale = 1.0 / (args.grad_accum_steps * self.M)
@@ -32,6 +33,8 @@ class TorchPipeline:
             self.schedule = ScheduleInterleaved1F1B(stages, self.M, **options)
         elif args.schedule == "zb1p":  # torch's zero bubble, B and W split by its own autograd
             self.schedule = ScheduleInterleavedZeroBubble(stages, self.M, **options)
+        elif args.schedule == "zbv":
+            self.schedule = ScheduleZBVZeroBubble(stages, self.M, **options)
         elif args.schedule == "1f1b":
             self.schedule = Schedule1F1B(stages[0], self.M, **options)
         else:
@@ -42,7 +45,7 @@ class TorchPipeline:
         return loss * self.loss_scale
 
     def forward_backward(self, x, y, sync):
-        last = self.rank == self.pp_size - 1
+        last = self.rank == self.loss_rank
         losses = []
         inputs = [x] if self.rank == 0 else []  # token ids enter at the first stage
         targets = dict(target=y, losses=losses) if last else {}  # the loss is the last stage's

@@ -52,11 +52,7 @@ STRATEGIES = [
     ("pp_train.py", "custom", 2, ["--schedule", "interleaved", "--n_layer", "4", "--vocab_parallel"]),
     ("pp_train.py", "pytorch", 2, ["--schedule", "interleaved", "--n_layer", "4"]),
     ("pp_train.py", "custom", 4, ["--schedule", "1f1b", "--n_layer", "4", "--vocab_parallel"]),
-    # zero bubble (ZB-H1): B and W split, custom (with accumulation) and torch's ScheduleInterleavedZeroBubble
-    ("pp_train.py", "custom", 2, ["--schedule", "zb1p", "--grad_accum_steps", "2"]),
-    ("pp_train.py", "pytorch", 2, ["--schedule", "zb1p"]),
-    ("pp_train.py", "custom", 4, ["--schedule", "zb1p", "--n_layer", "4"]),
-    ("pp_train.py", "pytorch", 4, ["--schedule", "zb1p", "--n_layer", "4"]),
+    # (the zero-bubble schedules: test_zero_bubble_parity below, several runs a launch)
     # zero3: default (all partitioned); 4 ranks with biases/LayerNorms persistent, accumulation, no prefetch.
     # (PyTorch's FSDP2, the peer of both fsdp and zero3, runs at 2 ranks in three rows: with accumulation in fsdp's.)
     ("zero3_train.py", "custom", 2, []),
@@ -245,7 +241,7 @@ AC_ROWS = [
     ("zero3_train.py", 2, [(impl, d, []) for impl in BOTH for d in (0.0, 0.1)]),
     ("tp_train.py", 2, [(impl, d, []) for impl in BOTH for d in (0.0, 0.1)]),
     ("pp_train.py", 2, [(impl, d, ["--schedule", "1f1b"]) for impl in BOTH for d in (0.0, 0.1)]
-     + [("custom", 0.1, ["--schedule", "zb1p"])]),  # the recompute inside B, the weight gradients at W
+     + [("custom", 0.1, ["--schedule", "zbv", "--n_layer", "4"])]),  # recomputed inside B, weight grads at W
     ("cp_train.py", 2, [("custom", 0.0, []), ("custom", 0.0, ["--cp_mode", "ulysses"]),
                         ("custom", 0.1, ["--cp_mode", "ulysses"])]),
     ("tp_train.py", 4, [(impl, 0.1, ["--tensor_parallel_size", "2", "--sequence_parallel"]) for impl in BOTH]),
@@ -293,3 +289,35 @@ def test_activation_checkpointing_is_bit_identical(script, nproc, variants, refe
             delta = max(abs(loss - ref) for (loss, _), ref in zip(none, reference))
             assert delta <= TOL, (implementation, extra, delta)
     record(f"activation-checkpointing-{script[:-9]}-{nproc}r", {"runs": len(runs), "bit_identical": True})
+
+
+# The zero-bubble schedules, ZB-H1 (zb1p) and ZB-V (zbv), custom and torch's (ScheduleInterleavedZeroBubble,
+# ScheduleZBVZeroBubble), at 2 and 4 ranks: every run of a rank count in one launch of tests/runs.py, each compared
+# with the single-process reference as a row above is.
+ZERO_BUBBLE_ROWS = {
+    2: [("custom", ["--schedule", "zb1p", "--grad_accum_steps", "2"]), ("pytorch", ["--schedule", "zb1p"]),
+        ("custom", ["--schedule", "zbv", "--n_layer", "4", "--grad_accum_steps", "2"]),
+        ("pytorch", ["--schedule", "zbv", "--n_layer", "4"])],
+    4: [("custom", ["--schedule", "zb1p", "--n_layer", "4"]), ("pytorch", ["--schedule", "zb1p", "--n_layer", "4"]),
+        ("custom", ["--schedule", "zbv", "--n_layer", "8"]), ("pytorch", ["--schedule", "zbv", "--n_layer", "8"])],
+}
+
+
+@pytest.mark.parametrize("nproc", sorted(ZERO_BUBBLE_ROWS))
+def test_zero_bubble_parity(nproc, references, tmp_path):
+    from conftest import launch
+    rows = ZERO_BUBBLE_ROWS[nproc]
+    argv = ["pp_train.py"]
+    for k, (implementation, extra) in enumerate(rows):
+        argv += FLAGS + ["--implementation", implementation] + extra + ["--out_dir", str(tmp_path / str(k)), "---"]
+    result = launch("tests/runs.py", nproc, argv[:-1], torchrun=False)
+    assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    for k, (implementation, extra) in enumerate(rows):
+        reference, plain = references(extra)
+        losses = step_losses(tmp_path / str(k))
+        assert len(losses) == STEPS
+        vs_reference = max(abs(a - b) for a, b in zip(losses, reference))
+        vs_plain = max(abs(a - b) for a, b in zip(losses, plain))
+        record(row_id("pp_train.py", implementation, nproc, extra),
+               {"max_abs_dloss_vs_reference": vs_reference, "max_abs_dloss_vs_plain": vs_plain})
+        assert vs_reference <= TOL and vs_plain <= TOL, (implementation, extra, losses, reference)

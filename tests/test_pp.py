@@ -143,16 +143,18 @@ def script_programs(schedule, p, m, V=1, forwards_only=False, vocab_parallel=Fal
     vocabulary pass, its collectives on the vocab group, each waited (the next kernel waits for it on the stream)."""
     every = [schedule_actions(schedule, r, p, m, V, vocab_parallel) for r in range(p)]
     every = [[a for a in actions if a[0] not in ("B", "W") or not forwards_only] for actions in every]
-    table = timetable(every, p * V)
-    programs = [p2p_program(table, r, p * V) for r in range(p)]
+    v = schedule == "zbv"  # V-shaped: stage p-1 hands its output to stage p on its own rank
+    table = timetable(every, p * V, v)
+    programs = [p2p_program(table, r, p * V, v) for r in range(p)]
     for r, program in enumerate(programs):  # the program runs exactly the rank's actions, each after its input came
         assert [a for a, _ in program if a is not None] == every[r]
         received = set()
         for action, exchange in program:
-            need, send = messages(action, r, p, p * V) if action else (None, None)
+            need, send = messages(action, r, p, p * V, v) if action else (None, None)
             assert need is None or need[1] in received, (action, "runs before its input arrived")
-            assert [(peer, name) for peer, is_send, name in exchange if is_send] == ([send] if send else [])
-            received |= {name for _, is_send, name in exchange if not is_send}
+            local = send and send[0] == r  # kept on the rank, not sent
+            assert [(peer, name) for peer, is_send, name in exchange if is_send] == ([send] if send and not local else [])
+            received |= {name for _, is_send, name in exchange if not is_send} | ({send[1]} if local else set())
     vocab = VOCAB_COLLECTIVES[:3 if forwards_only else 4]  # evaluation: no backward, no reduce of dh
     return [[kernel for action, exchange in program
              for kernel in ([("vocab", [("vocab", None, None, (action, what))], True) for what in vocab]
@@ -205,6 +207,25 @@ def test_zero_bubble_h1_is_deadlock_free_and_fills_the_cool_down(p):
         simulate(script_programs("zb1p", p, m, forwards_only=True))
         assert len(timetable(lists, p)[0]) == 3 * m + p - 1
         assert [peak_live(actions) for actions in lists] == [p] * p
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zero_bubble_v_is_deadlock_free_and_nearly_bubble_free(p):
+    """ZB-V, two chunks a rank in a V: for m from p to 4p every (micro-batch, chunk) F, then B, then W; deadlock-free
+    programs; on the clock of equal (chunk) F, B and W steps a step takes 6m plus at most p idle steps a rank (from
+    m = 2p; at most 2(p-1) below): at most p/2 of a whole stage's T, against ZB-H1's p-1 and 1F1B's 3(p-1); and at
+    most 2p chunk micro-batches await their W, 1F1B's p whole stages."""
+    for m in range(p, 4 * p + 1):
+        lists = [schedule_actions("zbv", r, p, m, 2) for r in range(p)]
+        for actions in lists:
+            assert sorted(actions) == sorted([(op, i, c) for op in "FBW" for i in range(m) for c in (0, 1)])
+            assert all(actions.index(F(i, c)) < actions.index(B(i, c)) < actions.index(("W", i, c))
+                       for i in range(m) for c in (0, 1))
+        simulate(script_programs("zbv", p, m, 2))
+        simulate(script_programs("zbv", p, m, 2, forwards_only=True))
+        idle = len(timetable(lists, 2 * p, True)[0]) - 6 * m
+        assert idle <= (p if m >= 2 * p else 2 * (p - 1)), (m, idle)
+        assert [peak_live(actions) for actions in lists] == [2 * p] * p
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
@@ -413,14 +434,16 @@ def digest(t):
 WTE = "transformer.wte.weight"
 
 
-def owner(name, p, V, layers):
+def owner(name, p, V, layers, v_shape=False):
     """The ranks holding a GPT parameter: block i is in the stage whose share of `layers` covers it, wte/wpe in stage
     0, ln_f and lm_head in the last (lm_head: its rows on every rank with --vocab_parallel); stage s is on rank
-    s % p."""
+    s % p, or in a V (zbv) on rank 2p-1-s from s = p on."""
+    def rank(s):
+        return 2 * p - 1 - s if v_shape and s >= p else s % p
     if name.startswith("transformer.h."):
         i, first = int(name.split(".")[2]), list(itertools.accumulate(layers))
-        return {next(s for s in range(p * V) if i < first[s]) % p}
-    return {0} if name.startswith(("transformer.wte", "transformer.wpe")) else {(p * V - 1) % p}
+        return {rank(next(s for s in range(p * V) if i < first[s]))}
+    return {0} if name.startswith(("transformer.wte", "transformer.wpe")) else {rank(p * V - 1)}
 
 
 def _check(results, p):
@@ -433,12 +456,14 @@ def _check(results, p):
             layers = layers or [CONFIG.n_layer // p // V] * p * V
             # this rank holds its stages' tensors and no other (the first and last stages' embeddings and head);
             # with --vocab_parallel every rank holds lm_head rows
-            mine = {n for n in every if rank in owner(n, p, V, layers) and not (vp and n == "lm_head.weight")}
+            v = schedule == "zbv"
+            last_rank = 0 if v else p - 1  # the rank of the last stage, its head and its loss
+            mine = {n for n in every if rank in owner(n, p, V, layers, v) and not (vp and n == "lm_head.weight")}
             assert r["names"] == mine | ({"lm_head.weight"} if vp else set()), r["case"]
             # model state: 16 bytes (fp32 param, grad, AdamW's two moments) per value held, and AdamW's 4-byte step
             # per tensor; the head's copy is 16*vocab*C on the last rank, or 16*vocab*C/p on every rank with
             # --vocab_parallel
-            head = 16 * vocab * C // p if vp else 16 * vocab * C * (rank == p - 1)
+            head = 16 * vocab * C // p if vp else 16 * vocab * C * (rank == last_rank)
             assert r["state_bytes"] == (16 * sum(numel[n] for n in mine if n != "lm_head.weight") + head
                                         + 4 * len(r["names"])), r["case"]
             assert r["max_diff"] <= 1e-6, r["case"]  # every gradient, the tied one included, equals the reference's
@@ -453,12 +478,12 @@ def _check(results, p):
             N = 16 // m * CONFIG.block_size
             assert r["vocab_peak"] == (4 * N * C + 4 * N * vocab // p + 9 * N if vp else 0), r["case"]
             assert r["issued"] == r["programs"], r["case"]  # every message goes through the program's batches
-            if rank == p - 1:
+            if rank == last_rank:
                 assert abs(r["loss"] - r["ref_loss"]) <= 1e-6 and abs(r["eval_loss"] - r["ref_loss"]) <= 1e-6
             # the collectives the docstrings state: a vocabulary pass per micro-batch calls one broadcast (h), two
             # all-reduces (max; sum of exp and target logit) and one reduce (dh), evaluation no reduce; summing the
             # tied gradient: one all-reduce of rank 0 with each rank holding rows of its copy
-            tied = (p - 1 if rank == 0 else 1) if vp else int(rank in (0, p - 1) and p > 1)
+            tied = (p - 1 if rank == 0 else 1) if vp else int(rank in (0, last_rank) and last_rank > 0)
             assert r["counts"] == {k: v for k, v in dict(broadcast=m * vp, all_reduce=2 * m * vp + tied,
                                                           reduce=m * vp).items() if v}, r["case"]
             assert r["eval_counts"] == ({"broadcast": m, "all_reduce": 2 * m} if vp else {}), r["case"]
@@ -483,7 +508,7 @@ def test_two_stages_gradients_tied_weight_and_live_activations():
              ("1f1b", 4, 1, False, [3, 1]), ("gpipe", 4, 1, True, None), ("1f1b", 8, 1, True, None),
              ("interleaved", 4, 2, True, None), ("1f1b", 4, 1, True, [1, 3]),
              # zero bubble: B and W split, even and uneven stages
-             ("zb1p", 4, 1, False, None), ("zb1p", 8, 1, False, [3, 1])]
+             ("zb1p", 4, 1, False, None), ("zb1p", 8, 1, False, [3, 1]), ("zbv", 4, 2, False, None)]
     results = spawn(_pipeline_grads, 2, cases)
     _check(results, 2)
     assert "transformer.wte.weight" in results[0][0]["names"] and "lm_head.weight" in results[1][0]["names"]
