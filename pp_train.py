@@ -24,8 +24,8 @@ The schedule orders each rank's forwards (F) and backwards (B). With equal stage
                (pp_size-1)(T_F+T_B-T_W); at most pp_size micro-batches live, as 1F1B's first rank.
   zbv          ZB-V: two chunks a rank in a V (rank r: stages r and 2p-1-r, so the first and the
                last stage, and the tied wte and lm_head, share rank 0), B and W split as in zb1p,
-               ordered by zero_bubble_v: a rank idles about (pp_size-1) chunk steps, half of a stage's
-               T, with 1F1B's activation memory.
+               ordered by zero_bubble_v: a rank idles about pp_size-1 chunk steps, half a stage's T
+               each, with 1F1B's activation memory.
 The head and loss (2*vocab*C FLOPs a token) make the last stage the slowest unless n_layer >=
 vocab/(12C) blocks can balance them. --vocab_parallel (Yeung et al. 2024, "Balancing Pipeline
 Parallelism with Vocabulary Parallelism") splits them over all p ranks instead: rank r holds
@@ -282,8 +282,8 @@ def zero_bubble_h1(p, m, rank):
 
 
 def zero_bubble_v(p, m):
-    """ZB-V's actions for every rank, by list scheduling on a clock of equal F, B and W steps (each a
-    chunk's: half a stage of ZB-H1's): in each step every rank runs the first that can run of a B
+    """ZB-V's actions for every rank, by list scheduling on a clock of equal F, B and W steps (each
+    a chunk's: half a stage of ZB-H1's): in each step every rank runs the first that can run of a B
     (its output's gradient has come; the later chunk first), an F (its input has come, and fewer
     than 2p chunk micro-batches await their W: 1F1B's peak of p whole stages) or its oldest waiting
     W, else it idles. What a step sends arrives for the next step."""
@@ -334,7 +334,7 @@ def zero_bubble_v(p, m):
 
 
 def stage_index(rank, chunk, pp_size, v_shape=False):
-    """The global stage of `rank`'s chunk: c*pp_size + rank, or in a V (zbv) rank, then 2p-1-rank."""
+    """The global stage of `rank`'s chunk: c*pp_size + rank; in a V (zbv): rank, then 2p-1-rank."""
     if v_shape and chunk:
         return 2 * pp_size - 1 - rank
     return chunk * pp_size + rank
@@ -493,7 +493,8 @@ class Pipeline:
         vp = args.vocab_parallel
         self.n_stages = self.pp_size * n_chunks
         self.v_shape = args.schedule == "zbv"  # chunk 1 of rank r: stage 2p-1-r
-        self.loss_rank = stage_rank(self.n_stages - 1, self.pp_size, self.v_shape)  # the last stage's
+        # the rank of the last stage: its loss, and the head
+        self.loss_rank = stage_rank(self.n_stages - 1, self.pp_size, self.v_shape)
         first_block = list(itertools.accumulate(args.stage_layers, initial=0))
         self.chunks = nn.ModuleList()
         for c in range(n_chunks):
@@ -770,9 +771,9 @@ def check_pp_args(args, world_size):
             "--schedule interleaved")
     if (args.implementation == "pytorch" and args.schedule in ZERO_BUBBLE
             and args.activation_checkpointing != "none"):  # torch 2.13, README's pipeline notes
-        die(f"--activation_checkpointing: torch's zero-bubble schedule cannot split the backward "
-            f"of a checkpointed block into B and W (its stage_backward_weight fails); use "
-            f"--activation_checkpointing none, --implementation custom, or another --schedule")
+        die("--activation_checkpointing: torch's zero-bubble schedule cannot split the backward "
+            "of a checkpointed block into B and W (its stage_backward_weight fails); use "
+            "--activation_checkpointing none, --implementation custom, or another --schedule")
     if args.implementation == "pytorch":  # what torch's schedules need beyond the floor, on gloo
         check_torch("2.10", "--implementation: pytorch (torch.distributed.pipelining)",
                     "on 2.9 its first step's shape inference fails: "

@@ -255,7 +255,8 @@ def extra(runs_dir):
 
 
 def activation_checkpointing(runs_dir):
-    """The ac-<strategy>-<mode> runs: each mode's tokens/s, peak memory and kept bytes against none's."""
+    """The ac-<strategy>-<mode> runs: each mode's tokens/s, peak memory and kept bytes, against
+    none's."""
     runs = {}
     for name in os.listdir(runs_dir):
         if name.startswith("ac-"):
@@ -264,17 +265,16 @@ def activation_checkpointing(runs_dir):
                 runs[tuple(name[3:].rsplit("-", 1))] = run["summary"]
     if not runs:
         return
-    print(f"\n{'--activation_checkpointing':<28} {'tokens/s':>10} {'vs none':>8} {'peak MiB/rank':>14} "
-          f"{'kept MiB/rank':>14} {'vs none':>8}")
+    print(f"\n{'--activation_checkpointing':<28} {'tokens/s':>10} {'vs none':>8} "
+          f"{'peak MiB/rank':>14} {'kept MiB/rank':>14} {'vs none':>8}")
     for strategy in sorted({s for s, _ in runs}):
         none = runs.get((strategy, "none"))
         for mode in ("none", "selective", "full"):
             s = runs.get((strategy, mode))
             if s is None or none is None:
                 continue
-            kept = s.get("saved_activation_bytes_per_rank") or s.get("peak_activation_bytes_per_rank")
-            kept_none = none.get("saved_activation_bytes_per_rank") or none.get(
-                "peak_activation_bytes_per_rank")
+            kept, kept_none = (run.get("saved_activation_bytes_per_rank")
+                               or run.get("peak_activation_bytes_per_rank") for run in (s, none))
             kept_cells = f"{'-':>14} {'-':>8}"
             if kept and kept_none:
                 kept_cells = f"{max(kept) / 2**20:>14.1f} {max(kept) / max(kept_none):>8.2f}"

@@ -38,7 +38,7 @@ class TorchZeRO3:
         else:
             mp = MixedPrecisionPolicy()
         torch_checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
-        for block in self.model.transformer.h:  # FSDP2's unshard before backward serves the recompute
+        for block in self.model.transformer.h:  # its unshard before backward serves the recompute
             fully_shard(block, mesh=self.mesh, mp_policy=mp)
         fully_shard(self.model, mesh=self.mesh, mp_policy=mp)
         self.model.to_empty(device=device)  # allocates only this rank's shards
