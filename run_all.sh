@@ -141,14 +141,19 @@ else
     if has pp; then
       run "pp-1f1b-m8-custom-r$r" "$NPROC" pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8
       run "pp-1f1b-m8-vocab-custom-r$r" "$NPROC" pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8 --vocab_parallel
-      # zero bubble (ZB-H1), hand-written and torch's, against 1F1B at 8 micro-batches, on the default model
-      # and on one whose stages balance (--stage_layers: 9 blocks, then 1 block and the head)
-      BAL="--n_embd 512 --n_head 8 --n_layer 10 --stage_layers 9,1 --block_size 32 --batch_size 8 --max_iters 10"
-      for impl in custom pytorch; do
-        run "pp-zb1p-m8-$impl-r$r" "$NPROC" pp_train.py $FLAGS --schedule zb1p --n_microbatches 8 --implementation $impl
+      # the zero-bubble schedules (ZB-H1, ZB-V), hand-written and torch's, against 1F1B at 8 micro-batches, on
+      # the default model and on one whose stages balance (--stage_layers: the head weighs about 8 blocks)
+      BAL="--n_embd 512 --n_head 8 --n_layer 10 --block_size 32 --batch_size 8 --max_iters 10"
+      for schedule in zb1p zbv; do
+        for impl in custom pytorch; do
+          run "pp-$schedule-m8-$impl-r$r" "$NPROC" pp_train.py $FLAGS --schedule $schedule --n_microbatches 8 \
+            --implementation $impl
+        done
       done
-      run "pp-1f1b-m8@balanced-custom-r$r" "$NPROC" pp_train.py $FLAGS $BAL --schedule 1f1b --n_microbatches 8
-      run "pp-zb1p-m8@balanced-custom-r$r" "$NPROC" pp_train.py $FLAGS $BAL --schedule zb1p --n_microbatches 8
+      for schedule in 1f1b:9,1 zb1p:9,1 zbv:1,4,4,1; do
+        run "pp-${schedule%%:*}-m8@balanced-custom-r$r" "$NPROC" pp_train.py $FLAGS $BAL --schedule ${schedule%%:*} \
+          --stage_layers ${schedule#*:} --n_microbatches 8
+      done
     fi
   done
   # Each strategy's own claims, one run each (runs/bench-extra): FSDP's exposed communication with
@@ -186,10 +191,10 @@ else
   # The head split over the ranks (small preset), and a model where uneven stages alone balance the head
   # (n_layer >= vocab / (12 n_embd): 10 blocks of 512, the last stage one block and the head).
   extra pp-custom-1f1b-m8-vocab 2 pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8 --vocab_parallel --print_schedule
-  for schedule in 1f1b zb1p; do  # the bubble of balanced stages, against (p-1)/(m+p-1) and (p-1)(F+B-W)/...
-    extra pp-custom-$schedule-m8-stagelayers 2 pp_train.py $FLAGS --schedule $schedule --n_microbatches 8 \
-      --print_schedule --n_embd 512 --n_head 8 --n_layer 10 --stage_layers 9,1 --block_size 32 --batch_size 8 \
-      --max_iters 10 --warmup_iters 2
+  for schedule in 1f1b:9,1 zb1p:9,1 zbv:1,4,4,1; do  # balanced stages' bubble, against each formula
+    extra pp-custom-${schedule%%:*}-m8-stagelayers 2 pp_train.py $FLAGS --schedule ${schedule%%:*} --n_microbatches 8 \
+      --print_schedule --n_embd 512 --n_head 8 --n_layer 10 --stage_layers ${schedule#*:} --block_size 32 \
+      --batch_size 8 --max_iters 10 --warmup_iters 2
   done
   # --activation_checkpointing none/selective/full per strategy (custom) at block 256 with dropout 0.1
   # (CPU's SDPA then takes its math path, which keeps the T x T probabilities that selective drops):

@@ -97,6 +97,8 @@ COMPARE = [
     # zero bubble against 1F1B, on the default model and on balanced stages
     (("pp-zb1p-m8", "custom"), ("pp-1f1b-m8", "custom")),
     (("pp-zb1p-m8@balanced", "custom"), ("pp-1f1b-m8@balanced", "custom")),
+    (("pp-zbv-m8", "custom"), ("pp-1f1b-m8", "custom")),
+    (("pp-zbv-m8@balanced", "custom"), ("pp-1f1b-m8@balanced", "custom")),
     # TP's collectives in pieces under the matmuls, without and with SP
     (("tp-overlap", "custom"), ("tp", "custom")),
     (("tp-sp-overlap", "custom"), ("tp-sp", "custom")),

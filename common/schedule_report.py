@@ -150,7 +150,7 @@ class ScheduleReport:
         split = zero_bubble_times(self.steps)  # zb1p: T_F, T_B, T_W measured
         if split is not None:  # Qi et al.: 1F1B idles (p-1)(T_F+T_B+T_W), ZB-H1 (p-1)(T_F+T_B-T_W)
             t_f, t_b, t_w = split
-            idle = (p - 1) * (t_f + t_b - t_w)
+            idle = (p - 1) * (t_f + t_b - t_w) if args.schedule == "zb1p" else 0.0  # ZB-V: about 0
             theory = idle / (M * (t_f + t_b + t_w) + idle)
         # For the measured stage times: the slowest stage computes throughout, every other adds
         # one micro-batch's (chunk's) share to fill and drain the pipeline.
@@ -163,9 +163,10 @@ class ScheduleReport:
             v_equals = f", V={n_chunks}" if n_chunks > 1 else ""
             formula = f"(p-1)/({v_times}m+p-1) with p={p}, m={M}{v_equals}"
             if split is not None:
-                formula = (f"(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)) with p={p}, m={M} and the "
-                           f"measured F, B, W {[round(1000 * t, 2) for t in split]} ms (1F1B's, "
-                           f"(p-1)/(m+p-1): {(p - 1) / (M + p - 1):.1%})")
+                zb = "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W))" if idle else "about 0 (ZB-V)"
+                formula = (f"{zb} with p={p}, m={M} and the measured F, B, W "
+                           f"{[round(1000 * t, 2) for t in split]} ms (1F1B's, (p-1)/(m+p-1): "
+                           f"{(p - 1) / (M + p - 1):.1%})")
             print(f"bubble: measured {bubble:.1%} (median of {len(ends)} steps, mean over ranks), "
                   f"theory {theory:.1%} = {formula}")
             print(f"  the theory assumes equal stages; measured F+B ms per step and rank: "
