@@ -142,15 +142,15 @@ else
       run "pp-1f1b-m8-custom-r$r" "$NPROC" pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8
       run "pp-1f1b-m8-vocab-custom-r$r" "$NPROC" pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8 --vocab_parallel
       # the zero-bubble schedules (ZB-H1, ZB-V), hand-written and torch's, against 1F1B at 8 micro-batches, on
-      # the default model and on one whose stages balance (--stage_layers: the head weighs about 8 blocks)
-      BAL="--n_embd 512 --n_head 8 --n_layer 10 --block_size 32 --batch_size 8 --max_iters 10"
+      # the default model and on one whose stages balance (--stage_layers: the head weighs about 9 blocks)
+      BAL="--n_embd 512 --n_head 8 --n_layer 13 --block_size 32 --batch_size 8 --max_iters 10"
       for schedule in zb1p zbv; do
         for impl in custom pytorch; do
           run "pp-$schedule-m8-$impl-r$r" "$NPROC" pp_train.py $FLAGS --schedule $schedule --n_microbatches 8 \
             --implementation $impl
         done
       done
-      for schedule in 1f1b:9,1 zb1p:9,1 zbv:1,4,4,1; do
+      for schedule in 1f1b:11,2 zb1p:11,2 zbv:1,5,6,1; do
         run "pp-${schedule%%:*}-m8@balanced-custom-r$r" "$NPROC" pp_train.py $FLAGS $BAL --schedule ${schedule%%:*} \
           --stage_layers ${schedule#*:} --n_microbatches 8
       done
@@ -189,11 +189,11 @@ else
     done
   done
   # The head split over the ranks (small preset), and a model where uneven stages alone balance the head
-  # (n_layer >= vocab / (12 n_embd): 10 blocks of 512, the last stage one block and the head).
+  # (n_layer >= vocab / (12 n_embd): 13 blocks of 512; the head weighs about 9 of them).
   extra pp-custom-1f1b-m8-vocab 2 pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8 --vocab_parallel --print_schedule
-  for schedule in 1f1b:9,1 zb1p:9,1 zbv:1,4,4,1; do  # balanced stages' bubble, against each formula
+  for schedule in 1f1b:11,2 zb1p:11,2 zbv:1,5,6,1; do  # balanced stages' bubble, against each formula
     extra pp-custom-${schedule%%:*}-m8-stagelayers 2 pp_train.py $FLAGS --schedule ${schedule%%:*} --n_microbatches 8 \
-      --print_schedule --n_embd 512 --n_head 8 --n_layer 10 --stage_layers ${schedule#*:} --block_size 32 \
+      --print_schedule --n_embd 512 --n_head 8 --n_layer 13 --stage_layers ${schedule#*:} --block_size 32 \
       --batch_size 8 --max_iters 10 --warmup_iters 2
   done
   # --activation_checkpointing none/selective/full per strategy (custom) at block 256 with dropout 0.1
