@@ -781,6 +781,10 @@ def check_pp_args(args, world_size):
         if args.dtype == "bfloat16":
             check_torch("2.11", "--dtype: bfloat16 with --implementation pytorch",
                         "on 2.10 no gradient reaches the last stage's lm_head under autocast")
+        if args.schedule == "zbv":
+            check_torch("2.12", "--schedule: zbv with --implementation pytorch",
+                        "on 2.10 and 2.11 its ScheduleZBVZeroBubble fails on gloo: "
+                        "Pair is not connected")
     return 1
 
 
