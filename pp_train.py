@@ -18,14 +18,15 @@ The schedule orders each rank's forwards (F) and backwards (B). With equal stage
   interleaved  1F1B over V chunks per rank (Megatron): a bubble of (pp_size-1)/(V*M+pp_size-1),
                for V times more messages.
   zb1p         ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): B computes only the
-               input's gradient, which the stage before waits for; each block linear's weight
-               gradient waits for a W action (DeferredWeightGrads) that fills the cool-down's waits.
+               input's gradient, which the stage before waits for; each linear's weight gradient
+               (the blocks' and the head's) waits for a W action (DeferredWeightGrads), which fills
+               the cool-down's waits.
                With T_F = T_B = T_W the idle time falls from (pp_size-1)(T_F+T_B+T_W) to
                (pp_size-1)(T_F+T_B-T_W); at most pp_size micro-batches live, as 1F1B's first rank.
   zbv          ZB-V: two chunks a rank in a V (rank r: stages r and 2p-1-r, so the first and the
                last stage, and the tied wte and lm_head, share rank 0), B and W split as in zb1p,
-               ordered by zero_bubble_v: a rank idles about pp_size-1 chunk steps, half a stage's T
-               each, with 1F1B's activation memory.
+               ordered by zero_bubble_v: a rank idles at most about pp_size chunk steps (half a
+               stage's T each), with 1F1B's activation memory.
 The head and loss (2*vocab*C FLOPs a token) make the last stage the slowest unless n_layer >=
 vocab/(12C) blocks can balance them. --vocab_parallel (Yeung et al. 2024, "Balancing Pipeline
 Parallelism with Vocabulary Parallelism") splits them over all p ranks instead: rank r holds
