@@ -495,7 +495,7 @@ class Pipeline:
         self.n_stages = self.pp_size * n_chunks
         self.v_shape = args.schedule == "zbv"  # chunk 1 of rank r: stage 2p-1-r
         # the rank of the last stage: its loss, and the head
-        self.loss_rank = stage_rank(self.n_stages - 1, self.pp_size, self.v_shape)
+        self.loss_rank = self.rank_of(self.n_stages - 1)
         first_block = list(itertools.accumulate(args.stage_layers, initial=0))
         self.chunks = nn.ModuleList()
         for c in range(n_chunks):
@@ -536,6 +536,9 @@ class Pipeline:
 
     def stage_of(self, chunk):
         return stage_index(self.rank, chunk, self.pp_size, self.v_shape)
+
+    def rank_of(self, stage):
+        return stage_rank(stage, self.pp_size, self.v_shape)
 
     def head_rows(self, rank):
         """The rows of the tied wte that `rank`'s lm_head holds: vocab/p of them each with
@@ -694,7 +697,7 @@ class Pipeline:
         return gather_full_state(self, optimizer)  # checkpoint plumbing: after main()
 
     def describe(self):
-        plan = stage_plan(self.config, self.args, self.pp_size)
+        plan = stage_plan(self.config, self.args, self.pp_size, self.rank_of)
         return (f"{self.args.schedule} schedule, {self.M} micro-batches a micro-step; "
                 f"estimated GFLOP a step (forward + backward):" + plan)
 

@@ -11,13 +11,13 @@ from common.distributed import autocast
 from common.metrics import SavedActivations, timers
 
 
-def stage_plan(config, args, pp_size):
+def stage_plan(config, args, pp_size, rank_of):
     """Each stage's pieces and estimated forward + backward FLOPs a step (B*T tokens; backward = 2 x
     forward, a multiply-add = 2 FLOPs): a block 24C^2 + 4TC a token (its matmuls; attention's scores
     and weighted sum), the embedding C (the add of wte and wpe), the head 2*vocab*C and the loss
     4*vocab (max, subtract, exp, sum), on the last stage or, with --vocab_parallel, 1/p of both on
-    every rank. Returns the plan, one indented line a stage and the GFLOP per rank, each line
-    starting with a newline."""
+    every rank. rank_of(stage): the rank that holds it (the pipeline's layout). Returns the plan,
+    one indented line a stage and the GFLOP per rank, each line starting with a newline."""
     C, T, vocab = config.n_embd, config.block_size, config.vocab_size
     n_stages = pp_size * args.virtual_stages
     gflop = 3 * args.batch_size * T / 1e9  # GFLOP a step for 1 FLOP a token's forward
@@ -29,7 +29,7 @@ def stage_plan(config, args, pp_size):
         a, b = first_block[s], first_block[s + 1]
         own_head = s == n_stages - 1 and not args.vocab_parallel
         cost = (b - a) * (24 * C * C + 4 * T * C) * gflop
-        rank = 2 * pp_size - 1 - s if args.schedule == "zbv" and s >= pp_size else s % pp_size
+        rank = rank_of(s)
         line = f"stage {s} (rank {rank}): "
         if s == 0:
             cost += C * gflop
@@ -172,7 +172,7 @@ class ScheduleReport:
             print(f"  the theory assumes equal stages; measured F+B ms per step and rank: "
                   f"{[round(ms) for ms in compute_ms]}, for which the same model of the schedule "
                   f"gives {staged:.1%}")
-            print("the stage plan, estimated GFLOP a step:" + stage_plan(model.config, args, p))
+            print("the stage plan, estimated GFLOP a step:" + stage_plan(model.config, args, p, model.rank_of))
         run = dict(bubble_measured=bubble, bubble_theory=theory, bubble_for_stage_times=staged)
         return dict(extra, run=run)
 

@@ -1,8 +1,9 @@
 """PyTorch's own pipeline, for pp_train.py --implementation pytorch.
 
 torch.distributed.pipelining: a PipelineStage around each of this rank's chunks (pp_train.py's
-Stage modules) does the send/recv, and ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B
-order the forwards and backwards, in place of pp_train.py's schedule_actions, timetable and
+Stage modules) does the send/recv, and ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B /
+ScheduleInterleavedZeroBubble (zb1p) / ScheduleZBVZeroBubble (zbv) order the forwards and backwards
+(the zero-bubble ones split by torch's own stage_backward_input/_weight), in place of pp_train.py's schedule_actions, timetable and
 executor (Pipeline.run). These are the methods that differ; pp_train.py's TorchPipeline takes the
 rest (building the chunks, evaluation, the tied gradient, clipping, checkpoint state) from its
 Pipeline class."""

@@ -676,9 +676,9 @@ def test_timeline_bubble_and_checkpoint_equal_the_reference(shared_run, tmp_path
 
 def test_bubble_theory_and_report_for_interleaved(capsys):
     # 2 ranks, V=2, m=4; one step of 10 s in which rank 0 computed 8 s and rank 1 6 s: idle (2 + 4) / (2 * 10)
-    args = SimpleNamespace(print_schedule=False, implementation="pytorch", schedule="interleaved", virtual_stages=2,
-                           vocab_parallel=False, stage_layers=[1, 1, 1, 1], batch_size=16, block_size=CONFIG.block_size)
-    report = ScheduleReport(args, SimpleNamespace(pp_size=2, M=4, rank=0, config=CONFIG))
+    args = SimpleNamespace(print_schedule=False, implementation="pytorch", virtual_stages=2, vocab_parallel=False,
+                           stage_layers=[1, 1, 1, 1], batch_size=16, block_size=CONFIG.block_size)
+    report = ScheduleReport(args, SimpleNamespace(pp_size=2, M=4, rank=0, config=CONFIG, rank_of=lambda s: s % 2))
     report.steps = [[[(F(0), 0.0, 8.0)], [(F(0), 1.0, 4.0), (B(0), 7.0, 10.0)]]]
     run = report.summary()["run"]
     assert run["bubble_theory"] == 1 / 9  # (p-1)/(V*m+p-1) = 1/(2*4+1), not (p-1)/(m+p-1)/V = 1/10
