@@ -499,7 +499,7 @@ class Pipeline:
         first_block = list(itertools.accumulate(args.stage_layers, initial=0))
         self.chunks = nn.ModuleList()
         for c in range(n_chunks):
-            s = stage_index(self.rank, c, self.pp_size, self.v_shape)  # its global stage
+            s = self.stage_of(c)  # its global stage
             # lm_head: all rows on the last stage; with --vocab_parallel my rows on my first chunk
             holds_head = (c == 0) if vp else (s == self.n_stages - 1)
             head = self.head_rows(self.rank) if holds_head else None
