@@ -172,7 +172,8 @@ class ScheduleReport:
             print(f"  the theory assumes equal stages; measured F+B ms per step and rank: "
                   f"{[round(ms) for ms in compute_ms]}, for which the same model of the schedule "
                   f"gives {staged:.1%}")
-            print("the stage plan, estimated GFLOP a step:" + stage_plan(model.config, args, p, model.rank_of))
+            plan = stage_plan(model.config, args, p, model.rank_of)
+            print("the stage plan, estimated GFLOP a step:" + plan)
         run = dict(bubble_measured=bubble, bubble_theory=theory, bubble_for_stage_times=staged)
         return dict(extra, run=run)
 
