@@ -1,0 +1,963 @@
+"""Hybrid: DP x TP x PP x CP in one run (4D parallelism), by hand.
+
+The N ranks form a grid, ranks = arange(N).view(dp, pp, cp, tp): a rank's coordinates are its place
+in each of four strategies, and each axis is a process group of the ranks that differ in that
+coordinate only. TP is the fastest-varying axis, so a TP group is tp consecutive ranks: one node's
+fast links (NVLink), as TP talks in every block; then CP (a ring in every attention), PP (one
+activation per micro-batch, between neighbours), and DP outermost, the one that crosses nodes: it
+talks once a step. Torchtitan's mesh and Megatron's order put the axes the same way.
+  TP  (tp_train.py):  every block's linears split over the TP group, Megatron's f and g around them;
+      the embedding and the tied lm_head split by vocabulary, and the loss computed from the logit
+      slices (vocab-parallel cross-entropy). --sequence_parallel splits the activations between the
+      linears by sequence.
+  CP  (cp_train.py):  each CP rank holds T/cp positions of every row (zigzag: chunks r and 2cp-1-r);
+      attention is a ring that passes K, V round the CP group. It runs inside a TP rank's heads: the
+      ring carries only those heads' K, V, and the CP groups of different TP ranks never talk.
+  PP  (pp_train.py):  the blocks are cut into pp stages, run by 1F1B over --n_microbatches
+      micro-batches. The messages between stages are this rank's piece of the activation: its T/cp
+      positions, and with --sequence_parallel its 1/tp of those, sent to the same (dp, cp, tp)
+      place on the next stage.
+  DP  (ddp_train.py): gradients are averaged over the dp x cp ranks of a (pp, tp) place, in buckets
+      that go on the wire during the last micro-batch's backward (no_sync before it): every one of
+      those ranks holds an equal share of the step's tokens, so the mean of their gradients is the
+      gradient of the mean loss.
+  The tie: wte lives on the first stage and lm_head on the last, each split by vocabulary over TP;
+      after backward the two ends of each (dp, cp, tp) place sum their gradients (a pp-ends group).
+Per rank, P parameters, L blocks, b rows a micro-batch, fp32 (4 bytes a number), C = n_embd:
+  model state  16 bytes a parameter (param, grad, AdamW's two moments) of P/(tp*pp) sharded ones,
+               plus the replicated LayerNorms, wpe and row-parallel biases, plus on the last stage
+               the head's copy of wte's vocab/tp rows (16*vocab*C/tp bytes) when pp > 1.
+  tp           per block and micro-batch 2 all-reduces of b*T/cp*C numbers forward and 2 backward
+               (SP: all-gathers and reduce-scatters of the same bytes); the first stage's embedding
+               adds 1 forward; the last stage's head adds 1 backward and the loss 2 all-reduces of
+               b*T/cp and 2*b*T/cp numbers.
+  cp           per block and micro-batch cp-1 ring sends of K, V (2*b*T/cp*C/tp numbers) forward
+               and 2(cp-1) backward (K, V again and the dK, dV accumulators).
+  pp           per micro-batch one activation forward and its gradient back, b*T/cp*C numbers
+               (/tp with SP), between neighbouring stages.
+  dp x cp      one all-reduce of the stage's gradients a step (4 bytes a local parameter).
+  pp ends      one all-reduce of the tied gradient a step: vocab/tp*C numbers (pp > 1).
+
+Run:
+  python hybrid_train.py                                               # one process: the reference
+  torchrun --standalone --nproc_per_node=8 hybrid_train.py --data_parallel_size 2 \\
+           --tensor_parallel_size 2 --pipeline_parallel_size 2 --print_grid     # dp2 x tp2 x pp2
+  torchrun --standalone --nproc_per_node=8 hybrid_train.py --tensor_parallel_size 2 \\
+           --pipeline_parallel_size 2 --context_parallel_size 2 --sequence_parallel
+  torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv-backend=c10d \\
+           --rdzv-endpoint=HOST:29500 hybrid_train.py --tensor_parallel_size 8 \\
+           --pipeline_parallel_size 2                        # TP inside a node, PP across nodes
+  torchrun --standalone --nproc_per_node=4 hybrid_train.py --tensor_parallel_size 2 \\
+           --pipeline_parallel_size 2 --implementation pytorch  # peers/torch_hybrid.py
+"""
+import math
+import os
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common.checkpoint import checkpoint, resume, set_adamw_state
+from common.config import add_bool, die, get_lr, gpt_config, parse_args
+from common.data import get_batch
+from common.distributed import all_gather_single, autocast, clip_grad_norm_, reduce_scatter_single
+from common.distributed import setup, setup_data, teardown
+from common.metrics import Metrics, Profiler, activations, held_bytes, model_state_bytes
+from common.model import GPT, configure_optimizer, init_tensor
+from common.recompute import checkpoint_blocks
+import peers.torch_hybrid
+
+WTE_NAME = "transformer.wte.weight"  # lm_head.weight is tied to it: the last stage holds a copy
+
+
+# ---- the grid: every rank's coordinates and groups -------------------------------------------
+
+AXES = ("dp", "pp", "cp", "tp")  # slowest-varying first: rank = ((d*pp + s)*cp + c)*tp + t
+# The groups the strategies use, each named by the axes along which its ranks differ.
+GROUPS = (("tp",), ("cp",), ("pp",), ("dp", "cp"), ("pp", "tp"))
+
+
+def rank_grid(dp, pp, cp, tp):
+    return torch.arange(dp * pp * cp * tp).view(dp, pp, cp, tp)
+
+
+def coordinates(grid, rank):
+    """{axis: rank's index along it}."""
+    return dict(zip(AXES, (int(i) for i in (grid == rank).nonzero()[0])))
+
+
+def axis_groups(grid, axes):
+    """Every group along `axes`: the ranks that differ only in those coordinates, in grid order."""
+    along = [AXES.index(axis) for axis in axes]
+    others = [i for i in range(len(AXES)) if i not in along]
+    size = math.prod(grid.shape[i] for i in along)
+    return grid.permute(others + along).reshape(-1, size).tolist()
+
+
+def tied_pairs(grid):
+    """The pp-ends groups: [first stage's rank, last stage's rank] of each (dp, cp, tp) place."""
+    ends = grid[:, [0, -1]]  # (dp, 2, cp, tp)
+    return ends.permute(0, 2, 3, 1).reshape(-1, 2).tolist()
+
+
+def grid_error(sizes, world_size):
+    """None, or the one line that says why the sizes {axis: size or None} make no grid of
+    `world_size` ranks. A missing data-parallel size is what the others leave."""
+    flags = dict(dp="--data_parallel_size", tp="--tensor_parallel_size",
+                 pp="--pipeline_parallel_size", cp="--context_parallel_size")
+    for axis in AXES:
+        if sizes[axis] is not None and sizes[axis] <= 0:
+            return f"{flags[axis]}: must be > 0, got {sizes[axis]}"
+    model = math.prod(sizes[axis] or 1 for axis in ("pp", "cp", "tp"))
+    dp = sizes["dp"] or world_size // model
+    if dp * model != world_size or dp == 0:
+        shape = " x ".join(f"{flags[a]} {sizes[a] or 1}" for a in ("tp", "pp", "cp"))
+        return (f"--data_parallel_size: {dp} x {shape} must equal the world size "
+                f"({world_size})")
+    return None
+
+
+class Grid:
+    """This rank's coordinates and the process groups of GROUPS, plus the pp-ends group. Every
+    rank creates every group, in the same order (a rule of new_group)."""
+    def __init__(self, dp, pp, cp, tp):
+        self.ranks = rank_grid(dp, pp, cp, tp)
+        self.size = dict(zip(AXES, (dp, pp, cp, tp)))
+        self.coords = coordinates(self.ranks, dist.get_rank())
+        self.groups = {}
+        for axes in GROUPS:
+            self.groups[axes], _ = dist.new_subgroups_by_enumeration(axis_groups(self.ranks, axes))
+        self.tied_group = None
+        if pp > 1:
+            self.tied_group, _ = dist.new_subgroups_by_enumeration(tied_pairs(self.ranks))
+
+    def group(self, *axes):
+        return self.groups[axes]
+
+    def neighbour(self, step):
+        """The global rank at my (dp, cp, tp) place on stage pp + step, or None past an end."""
+        c = self.coords
+        stage = c["pp"] + step
+        if not 0 <= stage < self.size["pp"]:
+            return None
+        return int(self.ranks[c["dp"], stage, c["cp"], c["tp"]])
+
+    def table(self):
+        """--print_grid: every rank's coordinates and groups."""
+        lines = []
+        for rank in range(self.ranks.numel()):
+            where = coordinates(self.ranks, rank)
+            groups = []
+            for axes in GROUPS:
+                members = next(g for g in axis_groups(self.ranks, axes) if rank in g)
+                groups.append(f"{'x'.join(axes)} {members}")
+            place = " ".join(f"{axis}={where[axis]}" for axis in AXES)
+            lines.append(f"rank {rank}: {place}; " + ", ".join(groups))
+        return "\n".join(lines)
+
+
+# ---- TP: Megatron's conjugate operators on the TP group (tp_train.py has the full lesson) ----
+
+class TPGroup:
+    def __init__(self, group, sequence_parallel):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.sp = sequence_parallel
+
+
+def all_gather(x, group, dim):
+    """The ranks' x concatenated in rank order along `dim`: (b, L/tp, C) shards -> (b, L, C)."""
+    tp_size = dist.get_world_size(group)
+    out = x.new_empty((tp_size * x.size(0),) + x.shape[1:])  # gloo wants the ranks along dim 0
+    all_gather_single(out, x.contiguous(), group=group)  # x.numel() numbers from each rank
+    return torch.cat(out.chunk(tp_size), dim=dim)
+
+
+def reduce_scatter_seq(x, group):
+    """(b, L, C) partial sums on the ranks -> (b, L/tp, C): this rank's shard of their sum."""
+    tp_size = dist.get_world_size(group)
+    chunks = torch.cat(x.chunk(tp_size, dim=1))  # (tp*b, L/tp, C): shard r at rows r*b..(r+1)*b
+    out = chunks.new_empty((x.size(0),) + chunks.shape[1:])
+    reduce_scatter_single(out, chunks, group=group)
+    return out
+
+
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce backward (SP: all-gather the sequence, reduce-scatter)."""
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return all_gather(x, tp.group, dim=1) if tp.sp else x
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.tp.sp:
+            return reduce_scatter_seq(grad, ctx.tp.group), None
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.tp.group)  # b*L*C numbers: the partial input gradients
+        return grad, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward (SP: reduce-scatter, all-gather)."""
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        if tp.sp:
+            return reduce_scatter_seq(x, tp.group)
+        x = x.contiguous()
+        dist.all_reduce(x, group=tp.group)  # b*L*C numbers: the sum of the tp partial outputs
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (all_gather(grad, ctx.tp.group, dim=1) if ctx.tp.sp else grad), None
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token loss from (n, vocab/tp) logit slices: log(sum exp(z - m)) - (z_t - m) with m the
+    global max, from an all-reduce of n maxima and one of 2n sums; backward is softmax - onehot."""
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group):
+        logits = logits.float()  # (n, vocab/tp)
+        m = logits.amax(dim=-1)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # n numbers
+        softmax = (logits - m.unsqueeze(-1)).exp_()
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank owns
+        local = local.clamp(0, logits.size(-1) - 1)
+        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+        sums = torch.stack([softmax.sum(dim=-1), torch.where(mine, picked - m, 0.0)])  # (2, n)
+        dist.all_reduce(sums, group=group)  # 2n numbers: sums of exp; each target's logit
+        sum_exp, target_logit = sums
+        ctx.save_for_backward(softmax.div_(sum_exp.unsqueeze(-1)), local, mine)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors
+        grad_logits = softmax.scatter_add_(-1, local.unsqueeze(-1), -mine.float().unsqueeze(-1))
+        return grad_logits.mul_(grad.unsqueeze(-1)), None, None, None
+
+
+def shard_dim(name):
+    """The dimension along which parameter `name` is split over the TP group, or None."""
+    if name.endswith(("wte.weight", "lm_head.weight")):
+        return 0  # vocabulary rows
+    if name.endswith(("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias")):
+        return 0  # column-parallel: output features
+    if name.endswith("c_proj.weight"):
+        return 1  # row-parallel: input features
+    return None  # replicated: LayerNorms, wpe, row-parallel biases
+
+
+def shard(name, full, rank, tp_size):
+    """TP rank `rank`'s slice of the full tensor `name`; c_attn's: the same heads of q, k and v."""
+    if "c_attn" in name:
+        return full.unflatten(0, (3, -1)).chunk(tp_size, dim=1)[rank].flatten(0, 1)
+    dim = shard_dim(name)
+    return full if dim is None else full.chunk(tp_size, dim=dim)[rank]
+
+
+def unshard(name, shards):
+    """The inverse of shard(): the full tensor from the tp_size slices, in rank order."""
+    if "c_attn" in name:
+        return torch.cat([s.unflatten(0, (3, -1)) for s in shards], dim=1).flatten(0, 1)
+    dim = shard_dim(name)
+    return shards[0] if dim is None else torch.cat(shards, dim=dim)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, tp, in_features, out_features, bias):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features // tp.size)) if bias else None
+
+    def forward(self, x):  # f, then this rank's out_features/tp outputs
+        return F.linear(CopyToTP.apply(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, tp, in_features, out_features, bias):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x):  # this rank's term of the sum, summed by g; the bias added once
+        out = ReduceFromTP.apply(F.linear(x, self.weight), self.tp)
+        return out + self.bias if self.bias is not None else out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """TP rank r looks up the ids in its vocabulary rows, zeroes the others; g sums the ranks."""
+    def __init__(self, tp, vocab_size, n_embd):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(vocab_size // tp.size, n_embd))
+        self.vocab_start = tp.rank * (vocab_size // tp.size)
+
+    def forward(self, idx):
+        local = idx - self.vocab_start
+        mine = (local >= 0) & (local < self.weight.size(0))
+        rows = F.embedding(local.clamp(0, self.weight.size(0) - 1), self.weight)
+        return ReduceFromTP.apply(rows * mine.unsqueeze(-1), self.tp)
+
+
+# ---- CP: ring attention with the zigzag split (cp_train.py has the full lesson) ---------------
+
+def positions(T, cp_size, r):
+    """The positions CP rank r holds, ascending: zigzag chunks r and 2cp-1-r of 2cp."""
+    chunks = torch.arange(T).chunk(2 * cp_size)
+    return torch.cat([chunks[r], chunks[2 * cp_size - 1 - r]])
+
+
+def causal_window(q_pos, k_pos):
+    """The part of a (query block, key block) pair the causal mask keeps: queries from `first` on,
+    the first `keys` keys, and the mask inside that window (None: it keeps all)."""
+    first = int((q_pos < k_pos[0]).sum())
+    keys = int((k_pos <= q_pos[-1]).sum())
+    mask = k_pos[None, :keys] > q_pos[first:, None]
+    return first, keys, (mask if mask.any() else None)
+
+
+class CPGroup:
+    """The CP group, its ring neighbours (global ranks), my positions and my windows."""
+    def __init__(self, group, T, device):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        every = [positions(T, self.size, r) for r in range(self.size)]
+        self.mine = every[self.rank].to(device)
+        self.windows = []  # my queries against the key block of each CP rank
+        for k_pos in every:
+            first, keys, mask = causal_window(every[self.rank], k_pos)
+            self.windows.append((first, keys, None if mask is None else mask.to(device)))
+
+
+def block_forward(q, kv, window, out, lse, scale):
+    """Attends my queries to one key block in fp32 and merges the result into out, lse in place
+    (lse = log sum exp of the scores: two blocks' softmaxes merge exactly by it). q, out: (b,
+    nh/tp, T/cp, hs); kv: (2, b, nh/tp, T/cp, hs); lse: (b, nh/tp, T/cp, 1)."""
+    first, keys, mask = window
+    if keys == 0 or first == q.size(-2):
+        return
+    q, k, v = q[..., first:, :].float(), kv[0, ..., :keys, :].float(), kv[1, ..., :keys, :].float()
+    scores = q @ k.transpose(-2, -1) * scale  # (b, nh/tp, queries, keys)
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    block_lse = scores.logsumexp(-1, keepdim=True)
+    block_out = (scores - block_lse).exp() @ v
+    new_lse = torch.logaddexp(lse[..., first:, :], block_lse)
+    old_out = out[..., first:, :] * (lse[..., first:, :] - new_lse).exp()
+    out[..., first:, :] = old_out + block_out * (block_lse - new_lse).exp()
+    lse[..., first:, :] = new_lse
+
+
+def block_backward(q, kv, window, dout, out, lse, dq, scale):
+    """Adds this key block's part of dq in place; returns its [dK; dV]. exp(s - lse) with the final
+    lse is the block's share of the whole softmax, so no merging is needed."""
+    first, keys, mask = window
+    dkv = torch.zeros(kv.shape, device=q.device)  # (2, b, nh/tp, T/cp, hs)
+    if keys == 0 or first == q.size(-2):
+        return dkv
+    q, k, v = q[..., first:, :].float(), kv[0, ..., :keys, :].float(), kv[1, ..., :keys, :].float()
+    dout, out, lse = dout[..., first:, :].float(), out[..., first:, :], lse[..., first:, :]
+    scores = q @ k.transpose(-2, -1) * scale
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    probs = (scores - lse).exp()
+    delta = (dout * out).sum(-1, keepdim=True)
+    ds = probs * (dout @ v.transpose(-2, -1) - delta) * scale
+    dq[..., first:, :] += ds @ k
+    dkv[0, ..., :keys, :] = ds.transpose(-2, -1) @ q
+    dkv[1, ..., :keys, :] = probs.transpose(-2, -1) @ dout
+    return dkv
+
+
+def pass_to_next(tensor, cp):
+    """tensor to the next CP rank, the previous one's received, in one batch_isend_irecv (under
+    NCCL a send may wait for its receive: every rank posts both together)."""
+    received = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor, cp.next, cp.group),
+           dist.P2POp(dist.irecv, received, cp.prev, cp.group)]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def wait(works):
+    for work in works:
+        work.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of my queries over every CP rank's keys: K, V blocks go round the ring."""
+    @staticmethod
+    def forward(ctx, q, k, v, cp):
+        kv = torch.stack([k, v])  # (2, b, nh/tp, T/cp, hs): my TP rank's heads only
+        out = torch.zeros_like(q, dtype=torch.float32)
+        lse = torch.full(q.shape[:-1] + (1,), float("-inf"), device=q.device)
+        scale = q.size(-1) ** -0.5
+        for i in range(cp.size):  # step i: the block of CP rank - i; the next one on the wire
+            if i < cp.size - 1:
+                received, works = pass_to_next(kv, cp)
+            block_forward(q, kv, cp.windows[(cp.rank - i) % cp.size], out, lse, scale)
+            if i < cp.size - 1:
+                wait(works)
+                kv = received
+        ctx.cp = cp
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp = ctx.cp
+        kv = torch.stack([k, v])
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        scale = q.size(-1) ** -0.5
+        # Block j's dK, dV accumulator starts on rank j+1 and follows the block round the ring,
+        # each rank adding its queries' share, until rank j-1 hands it to j, who adds its own.
+        for i in range(cp.size):
+            if i < cp.size - 1:
+                received, works = pass_to_next(kv, cp)
+            if i >= 2:
+                carried_in, carried_works = pass_to_next(carried, cp)
+            window = cp.windows[(cp.rank - i) % cp.size]
+            dkv = block_backward(q, kv, window, dout, out, lse, dq, scale)
+            if i >= 2:
+                wait(carried_works)
+            if i == 0:
+                my_dkv = dkv
+            elif i == 1:
+                carried = dkv
+            else:
+                carried = carried_in + dkv
+            if i < cp.size - 1:
+                wait(works)
+                kv = received
+        carried_in, works = pass_to_next(carried, cp)  # my block's accumulator, from rank + 1
+        wait(works)
+        my_dkv += carried_in
+        return dq.to(q.dtype), my_dkv[0].to(k.dtype), my_dkv[1].to(v.dtype), None
+
+
+# ---- the stage: a TP-sharded, CP-attending piece of the GPT ------------------------------------
+
+class HybridAttention(nn.Module):
+    """Attention on this TP rank's n_head/tp heads over this CP rank's T/cp positions."""
+    def __init__(self, tp, cp, config):
+        super().__init__()
+        self.c_attn = ColumnParallelLinear(tp, config.n_embd, 3 * config.n_embd, config.bias)
+        self.c_proj = RowParallelLinear(tp, config.n_embd, config.n_embd, config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head // tp.size
+        self.dropout = config.dropout
+        self.cp = cp
+
+    def forward(self, x):  # (b, T/cp, C), or (b, T/cp/tp, C) with SP
+        qkv = self.c_attn(x)  # (b, T/cp, 3C/tp): my heads' q, k, v at my CP positions
+        b, L, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=2)
+        q = q.view(b, L, self.n_head, -1).transpose(1, 2)  # (b, nh/tp, T/cp, hs)
+        k = k.view(b, L, self.n_head, -1).transpose(1, 2)  # (b, nh/tp, T/cp, hs)
+        v = v.view(b, L, self.n_head, -1).transpose(1, 2)  # (b, nh/tp, T/cp, hs)
+        y = self.attend(q, k, v)
+        y = y.transpose(1, 2).reshape(b, L, -1)  # (b, T/cp, C/tp)
+        return self.resid_dropout(self.c_proj(y))
+
+    def attend(self, q, k, v):
+        """The attention core: the CP ring; with cp = 1, SDPA (which has dropout)."""
+        if self.cp.size > 1:
+            return RingAttention.apply(q, k, v, self.cp)
+        dropout_p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
+class StageGPT(nn.Module):
+    """Pipeline stage `stage` of GPT with its blocks (GPT's names: transformer.h.3, ...), wte/wpe on
+    the first stage, ln_f and the head on the last. Linears and embeddings are this TP rank's
+    shards of init_tensor's value or of the full state_dict `state`. The head is wte itself on a
+    single stage, else `lm_head`: a copy of this TP rank's wte rows."""
+    def __init__(self, tp, cp, config, stage, n_stages, seed, device, state=None):
+        super().__init__()
+        self.tp, self.cp = tp, cp
+        self.first, self.last = stage == 0, stage == n_stages - 1
+        C, V = config.n_embd, config.vocab_size
+        full = GPT(config, device="meta").transformer  # the whole model without storage
+        per_stage = config.n_layer // n_stages
+        blocks = {}
+        with torch.device("meta"):
+            for i in range(stage * per_stage, (stage + 1) * per_stage):
+                block = full.h[i]
+                block.attn = HybridAttention(tp, cp, config)
+                block.mlp.c_fc = ColumnParallelLinear(tp, C, 4 * C, config.bias)
+                block.mlp.c_proj = RowParallelLinear(tp, 4 * C, C, config.bias)
+                blocks[str(i)] = block
+            pieces = dict(h=nn.ModuleDict(blocks))
+            if self.first:
+                pieces.update(wte=VocabParallelEmbedding(tp, V, C), wpe=full.wpe, drop=full.drop)
+            if self.last:
+                pieces.update(ln_f=full.ln_f)
+            self.transformer = nn.ModuleDict(pieces)
+            if self.last and not self.first:
+                self.lm_head = nn.Linear(C, V // tp.size, bias=False)
+        self.to_empty(device=device)
+        self.vocab_start = tp.rank * (V // tp.size)
+        full_shapes = dict(GPT(config, device="meta").named_parameters())
+        with torch.no_grad():  # one full tensor at a time, keeping this rank's slice
+            for name, p in self.named_parameters():
+                name = WTE_NAME if name == "lm_head.weight" else name  # the copy starts as wte
+                if state is not None:
+                    value = state[name]
+                else:
+                    value = init_tensor(name, full_shapes[name].shape, config, seed)
+                p.copy_(shard(name, value, tp.rank, tp.size))
+        # with SP the replicated parameters see this rank's sequence shard: partial gradients
+        replicated = [p for n, p in self.named_parameters() if shard_dim(n) is None]
+        self.sequence_parallel_params = replicated if tp.sp else []
+
+    def head(self):
+        return self.lm_head.weight if hasattr(self, "lm_head") else self.transformer.wte.weight
+
+    def forward(self, x, targets, pos):
+        """x: token ids on the first stage, else the stage before's output; pos: the positions of
+        my tokens (with SP my TP rank's share of my CP positions). Returns the output, or on the
+        last stage the mean loss over my tokens."""
+        if self.first:  # (b, T/cp, C), with SP reduce-scattered to (b, T/cp/tp, C)
+            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
+        for block in self.transformer.h.values():
+            x = block(x)
+        if not self.last:
+            return x
+        x = self.transformer.ln_f(x)
+        logits = F.linear(CopyToTP.apply(x, self.tp), self.head())  # (b, T/cp, vocab/tp)
+        flat_logits = logits.flatten(0, 1)
+        losses = VocabParallelCrossEntropy.apply(flat_logits, targets.flatten(), self.vocab_start,
+                                                 self.tp.group)
+        return losses.mean()
+
+
+# ---- DP: gradient buckets, all-reduced over dp x cp during the last backward (ddp_train.py) ----
+
+class GradientBuckets:
+    """Flat buffers that the parameters' .grad are views of, so autograd accumulates into them,
+    each all-reduced (async) as soon as its last gradient is in. require_sync False (no_sync):
+    accumulate only. Buckets in reverse registration order, about the order backward fills them
+    (ddp_train.py rebuilds them in the measured order)."""
+    def __init__(self, params, bucket_cap_mb, group):
+        self.group = group
+        self.require_sync = True
+        self.buckets, current, size = [], [], 0
+        for p in reversed(params):
+            if current and size + 4 * p.numel() > bucket_cap_mb * 2**20:
+                self.buckets.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += 4 * p.numel()
+        self.buckets.append(current)
+        self.buffers = []
+        for bucket in self.buckets:
+            buffer = torch.zeros(sum(p.numel() for p in bucket), device=bucket[0].device)
+            for p, view in zip(bucket, buffer.split([p.numel() for p in bucket])):
+                p.grad = view.view_as(p)
+            self.buffers.append(buffer)
+        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.pending = [len(bucket) for bucket in self.buckets]
+        self.next, self.works = 0, []
+        # The hook holds the buckets weakly: a parameter keeps its hooks in C++, out of the garbage
+        # collector's sight, so param -> hook -> buckets -> param would never be freed.
+        buckets = weakref.ref(self)
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda p: buckets().grad_ready(p))
+
+    def grad_ready(self, p):
+        self.pending[self.bucket_of[p]] -= 1
+        # the same all-reduces in the same order on every rank: a full bucket waits for earlier ones
+        while self.require_sync and self.next < len(self.buckets) and not self.pending[self.next]:
+            # the bucket's numel x 4 bytes: each rank's gradients were divided by the group's size
+            # before backward, so the sum is the mean
+            self.works.append(dist.all_reduce(self.buffers[self.next], group=self.group,
+                                              async_op=True))
+            self.next += 1
+
+    def finish_backward(self):
+        """After every backward: the one wait, on a syncing one."""
+        wait(self.works)
+        self.pending = [len(bucket) for bucket in self.buckets]
+        self.next, self.works = 0, []
+
+
+def all_reduce_grads(grads, group):
+    """One flat all-reduce (sum) of these gradients over `group` (numel x 4 bytes), in place."""
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat, group=group)
+    for grad, flat_grad in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(flat_grad.view_as(grad))
+
+
+# ---- the strategy behind the loop's methods: the grid, the stage, 1F1B --------------------------
+
+class Hybrid:
+    """This rank's stage on its grid place: a TP shard of its blocks, its CP positions, its DP rows,
+    run through 1F1B with the neighbouring stages."""
+
+    def __init__(self, config, args, device, state=None):
+        self.config, self.args, self.device = config, args, device
+        sizes = [args.data_parallel_size, args.pipeline_parallel_size,
+                 args.context_parallel_size, args.tensor_parallel_size]
+        self.grid = Grid(*sizes)
+        if args.print_grid and dist.get_rank() == 0:
+            print(self.grid.table(), flush=True)
+        self.tp = TPGroup(self.grid.group("tp"), args.sequence_parallel)
+        self.cp = CPGroup(self.grid.group("cp"), args.block_size, device)
+        self.M = args.n_microbatches
+        stage, n_stages = self.grid.coords["pp"], self.grid.size["pp"]
+        self.model = StageGPT(self.tp, self.cp, config, stage, n_stages, args.seed, device, state)
+        # full: a block's recompute runs its f, g and the CP ring again, at the B of its micro-batch
+        checkpoint_blocks(self.model.transformer.h.values(), args.activation_checkpointing)
+        self.dp_cp_group = self.grid.group("dp", "cp")
+        self.buckets = GradientBuckets(list(self.model.parameters()), args.bucket_cap_mb,
+                                       self.dp_cp_group)
+        self.prev_stage, self.next_stage = self.grid.neighbour(-1), self.grid.neighbour(1)
+        self.pos = self.cp.mine  # my tokens' positions; with SP my TP rank's share of them
+        if args.sequence_parallel:
+            self.pos = self.cp.mine.chunk(self.tp.size)[self.tp.rank]
+        # The logged loss: the last stage's ranks hold their tokens' mean, dp*cp*tp of them
+        self.loss_ranks = self.grid.size["dp"] * self.grid.size["cp"] * self.grid.size["tp"]
+
+    def configure_optimizer(self, args, state=None):
+        named = list(self.model.named_parameters())
+        betas = (args.beta1, args.beta2)
+        optimizer = configure_optimizer(named, args.weight_decay, args.learning_rate, betas)
+        if state:  # a checkpoint's AdamW state, keyed by GPT name: this rank's piece of it
+            for name, p in named:
+                name = WTE_NAME if name == "lm_head.weight" else name
+                piece = lambda full, n=name: shard(n, full, self.tp.rank, self.tp.size)
+                set_adamw_state(optimizer, p, state[name],
+                                lambda full, piece=piece: piece(full).to(self.device, copy=True))
+        return optimizer
+
+    def exchange(self, send_forward=None, send_backward=None, recv_forward=False,
+                 recv_backward=False, shape=None):
+        """One batch of pipeline messages with the neighbouring stages, posted together and waited
+        (Megatron's p2p ops: under NCCL a send may wait for its receive, and two neighbours that
+        both sent first would wait forever). Each is b x T/cp x C numbers (/tp with SP): an output
+        to the next stage, an input's gradient to the one before."""
+        group = self.grid.group("pp")
+        ops, received = [], [None, None]
+        if send_forward is not None and self.next_stage is not None:
+            ops.append(dist.P2POp(dist.isend, send_forward, self.next_stage, group))
+        if send_backward is not None and self.prev_stage is not None:
+            ops.append(dist.P2POp(dist.isend, send_backward, self.prev_stage, group))
+        if recv_forward and self.prev_stage is not None:
+            received[0] = torch.empty(shape, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, received[0], self.prev_stage, group))
+        if recv_backward and self.next_stage is not None:
+            received[1] = torch.empty(shape, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, received[1], self.next_stage, group))
+        if ops:
+            wait(dist.batch_isend_irecv(ops))
+        return received
+
+    def forward_backward(self, x, y, sync):
+        """One micro-step: M micro-batches of my rows at my positions, through this stage by 1F1B
+        (Megatron's schedule without interleaving): pp-1-s warm-up forwards, then one forward one
+        backward, then the rest of the backwards. Returns the loss on the last stage, else 0."""
+        xs, ys = x[:, self.cp.mine].chunk(self.M), y[:, self.cp.mine].chunk(self.M)
+        shape = (xs[0].size(0), len(self.pos), self.config.n_embd)
+        # Each micro-batch is 1/(M*A) of my rows; each of the dp*cp ranks that the buckets sum
+        # over holds an equal share of the tokens: the loss divided by all three, the sum is the mean
+        scale = 1 / (self.M * self.args.grad_accum_steps * dist.get_world_size(self.dp_cp_group))
+        stash = []  # (input, output) of each micro-batch between its F and its B
+        loss_sum = torch.zeros((), device=self.device)
+
+        def forward(i, received):
+            nonlocal loss_sum
+            inp = xs[i] if self.model.first else received.requires_grad_()
+            with activations.first(), autocast(self.args, self.device):
+                out = self.model(inp, ys[i], self.pos)
+            if self.model.last:
+                loss_sum += out.detach() / self.M
+                out = out * scale
+            stash.append((inp, out))
+            return None if self.model.last else out.detach()
+
+        def backward(i, grad_out):
+            inp, out = stash.pop(0)
+            self.buckets.require_sync = sync and i == self.M - 1  # no_sync before the last
+            torch.autograd.backward(out, grad_out)
+            self.buckets.finish_backward()
+            return None if self.model.first else inp.grad
+
+        n_warmup = min(self.grid.size["pp"] - 1 - self.grid.coords["pp"], self.M)
+        for i in range(n_warmup):
+            received, _ = self.exchange(recv_forward=True, shape=shape)
+            self.exchange(send_forward=forward(i, received))
+        n_steady = self.M - n_warmup
+        if n_steady:
+            received, _ = self.exchange(recv_forward=True, shape=shape)
+        for i in range(n_steady):
+            out = forward(n_warmup + i, received)
+            _, grad_out = self.exchange(send_forward=out, recv_backward=True, shape=shape)
+            grad_in = backward(i, grad_out)
+            last = i == n_steady - 1
+            received, _ = self.exchange(send_backward=grad_in, recv_forward=not last, shape=shape)
+        for i in range(n_steady, self.M):
+            _, grad_out = self.exchange(recv_backward=True, shape=shape)
+            self.exchange(send_backward=backward(i, grad_out))
+        if sync:
+            self.finish_gradients()
+        return loss_sum
+
+    def finish_gradients(self):
+        """After the last backward (the buckets have averaged over dp x cp): with SP the replicated
+        parameters' partial gradients summed over TP; the tied wte/lm_head's two parts summed by
+        the ends of the pipeline, which then take identical AdamW steps."""
+        if self.model.sequence_parallel_params:
+            all_reduce_grads([p.grad for p in self.model.sequence_parallel_params], self.tp.group)
+        if self.grid.tied_group is not None and (self.model.first or self.model.last):
+            dist.all_reduce(self.model.head().grad, group=self.grid.tied_group)  # vocab/tp*C
+
+    @torch.no_grad()
+    def eval_loss(self, x, y):
+        """Forwards only, micro-batch by micro-batch: the loss on the last stage, else 0."""
+        self.model.eval()
+        xs, ys = x[:, self.cp.mine].chunk(self.M), y[:, self.cp.mine].chunk(self.M)
+        shape = (xs[0].size(0), len(self.pos), self.config.n_embd)
+        loss = torch.zeros((), device=self.device)
+        for i in range(self.M):
+            received, _ = self.exchange(recv_forward=True, shape=shape)
+            with autocast(self.args, self.device):
+                out = self.model(xs[i] if self.model.first else received, ys[i], self.pos)
+            if self.model.last:
+                loss += out.float() / self.M
+            else:
+                self.exchange(send_forward=out)
+        self.model.train()
+        return loss
+
+    def clip_grad_norm_(self, max_norm):
+        # Squares summed over the stages and the TP shards, the (pp, tp) group; over dp x cp the
+        # gradients are equal already. A TP-replicated gradient counts on TP rank 0 only, the
+        # head's copy of wte never; every gradient is clipped.
+        named = list(self.model.named_parameters())
+        counted = [p.grad for n, p in named if n != "lm_head.weight"
+                   and (shard_dim(n) is not None or self.tp.rank == 0)]
+        norm = clip_grad_norm_(counted, [], 0, self.grid.group("pp", "tp"))  # 0: measure only
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_([p for _, p in named], max_norm, norm)
+        return norm
+
+    def full_tensor(self, name, tensor):
+        """The whole tensor: a TP-sharded one all-gathered from my TP group."""
+        if self.tp.size == 1 or tensor.dim() == 0 or shard_dim(name) is None:
+            return tensor
+        return unshard(name, all_gather(tensor, self.tp.group, dim=0).chunk(self.tp.size))
+
+    def full_state(self, optimizer):
+        return gather_full_state(self, optimizer)  # checkpoint plumbing: after main()
+
+    def describe(self):
+        sizes = " x ".join(f"{axis} {self.grid.size[axis]}" for axis in AXES)
+        mib = held_bytes(self.model.parameters()) / 2**20
+        return (f"grid {sizes}, sequence_parallel {self.args.sequence_parallel}, 1F1B over "
+                f"{self.M} micro-batches, {mib:.2f} MiB of parameters per rank")
+
+
+class TorchHybrid(peers.torch_hybrid.TorchHybrid, Hybrid):
+    """--implementation pytorch: DeviceMesh, DTensor's parallelize_module and torch's pipelining
+    (peers/torch_hybrid.py); the other methods are Hybrid's."""
+
+
+def add_hybrid_flags(group):
+    group.add_argument("--data_parallel_size", type=int, default=None,
+                       help="dp (default: world size / (tp x pp x cp))")
+    group.add_argument("--tensor_parallel_size", type=int, default=None, help="tp (default 1)")
+    group.add_argument("--pipeline_parallel_size", type=int, default=None, help="pp (default 1)")
+    group.add_argument("--context_parallel_size", type=int, default=None, help="cp (default 1)")
+    add_bool(group, "--sequence_parallel", False, "TP: split the activations between the linears "
+             "by sequence")
+    group.add_argument("--n_microbatches", type=int, default=4,
+                       help="PP: micro-batches per micro-step")
+    group.add_argument("--bucket_cap_mb", type=float, default=25.0, help="DP: bucket size (MiB)")
+    add_bool(group, "--print_grid", False, "print every rank's coordinates and groups")
+
+
+def check_hybrid_args(args, world_size):
+    """Bad input ends every rank with one line, before anything is built. Fills in the four sizes;
+    returns the data-parallel size."""
+    sizes = dict(dp=args.data_parallel_size, tp=args.tensor_parallel_size,
+                 pp=args.pipeline_parallel_size, cp=args.context_parallel_size)
+    error = grid_error(sizes, world_size)
+    if error:
+        die(error)
+    tp, pp, cp = (sizes[axis] or 1 for axis in ("tp", "pp", "cp"))
+    dp = world_size // (tp * pp * cp)
+    for flag, value in (("--n_head", args.n_head), ("--n_embd", args.n_embd),
+                        ("--vocab_size", args.vocab_size)):
+        if value % tp:
+            die(f"{flag}: {value} must be divisible by --tensor_parallel_size ({tp})")
+    if args.n_layer % pp:
+        die(f"--n_layer: {args.n_layer} must be divisible by --pipeline_parallel_size ({pp})")
+    if args.block_size % (2 * cp):
+        die(f"--block_size: {args.block_size} must be divisible by 2 x --context_parallel_size "
+            f"({2 * cp}, the zigzag split)")
+    if args.sequence_parallel and (args.block_size // cp) % tp:
+        die(f"--block_size: {args.block_size} / --context_parallel_size ({cp}) must be divisible "
+            f"by --tensor_parallel_size ({tp}) with --sequence_parallel")
+    if args.dropout > 0 and tp * cp > 1:
+        die("--dropout: must be 0 with tensor or context parallelism here (the ring has no "
+            "attention dropout; tp_train.py shows TP's two dropout streams)")
+    if args.n_microbatches <= 0 or args.bucket_cap_mb <= 0:
+        die("--n_microbatches, --bucket_cap_mb: must be > 0")
+    if args.batch_size % (dp * args.grad_accum_steps * args.n_microbatches):
+        die(f"--batch_size: {args.batch_size} must be divisible by --data_parallel_size ({dp}) x "
+            f"--grad_accum_steps ({args.grad_accum_steps}) x --n_microbatches "
+            f"({args.n_microbatches})")
+    peers.torch_hybrid.check_args(args, dict(dp=dp, tp=tp, pp=pp, cp=cp))
+    args.data_parallel_size, args.tensor_parallel_size = dp, tp
+    args.pipeline_parallel_size, args.context_parallel_size = pp, cp
+    return dp
+
+
+# ---- training ----------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args("hybrid", add_hybrid_flags, argv)
+    D = check_hybrid_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    rank, world_size, device = setup(args)
+    setup_data(args)
+    ckpt = resume(args)  # None, or a full checkpoint written by any script at any world size
+    config = gpt_config(args)
+    B, T, A = args.batch_size, args.block_size, args.grad_accum_steps
+    dp_rank = rank * D // world_size
+    rows = B // D  # rows per data-parallel rank
+    micro = rows // A  # rows per micro-step
+    mine = slice(dp_rank * rows, (dp_rank + 1) * rows)  # this rank's rows of every global batch
+
+    Strategy = Hybrid if args.implementation == "custom" else TorchHybrid
+    model = Strategy(config, args, device, ckpt and ckpt["model"])
+    optimizer = model.configure_optimizer(args, ckpt and ckpt["optimizer"])
+    start = ckpt["step"] if ckpt else 0
+    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
+    if rank == 0:
+        print(f"hybrid ({args.implementation}): {world_size} rank(s) on {device}, "
+              f"{model.describe()}; global batch {B} x {T} tokens, "
+              f"{A} micro-step(s) of {micro} rows per data-parallel rank", flush=True)
+
+    @torch.no_grad()
+    def evaluate():
+        """Mean loss over eval_iters fixed batches per split: the last stage's ranks hold the mean
+        over their tokens (equal counts), every other rank 0; the sum over all ranks, divided by
+        the number of last-stage ranks, is the mean over the batch."""
+        out = {}
+        for split in ("train", "val"):
+            total = torch.zeros((), device=device)
+            for i in range(args.eval_iters):
+                x, y = get_batch(split, i, B, T, args.seed + 1, args.dataset)
+                x, y = x[mine].to(device), y[mine].to(device)
+                total += model.eval_loss(x, y)
+            dist.all_reduce(total)  # 4 bytes
+            out[split] = total.item() / model.loss_ranks / args.eval_iters
+        return out
+
+    # ---- training loop -------------------------------------------------------------------
+    profiler = Profiler(args, rank)
+    for step in range(start, args.max_iters):
+        if args.eval_interval and step % args.eval_interval == 0:
+            metrics.eval(step, evaluate())
+        t0 = time.perf_counter()
+        lr = get_lr(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = get_batch("train", step, B, T, args.seed, args.dataset)
+        x, y = x[mine].to(device), y[mine].to(device)
+        loss_sum = torch.zeros((), device=device)
+        for j in range(A):  # gradients are synchronised on the last micro-step only
+            part = slice(j * micro, (j + 1) * micro)
+            loss_sum += model.forward_backward(x[part], y[part], sync=j == A - 1)
+        # Logged loss: the mean over all B*T tokens of the global batch: the last stage's ranks'
+        # means (equal token counts), summed over every rank (the others add 0), and divided.
+        dist.all_reduce(loss_sum)  # 4 bytes
+        loss_sum /= A * model.loss_ranks
+        norm = model.clip_grad_norm_(args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # zero in place: gradients that are views stay views
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, dt, device, args.log_interval)
+        profiler.step()
+        if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
+            checkpoint(step + 1, model, optimizer, config, args)
+    profiler.stop()
+
+    if args.eval_interval:
+        metrics.eval(args.max_iters, evaluate())
+    checkpoint(args.max_iters, model, optimizer, config, args)
+    metrics.summary(model_state_bytes(optimizer), device)
+    metrics.close()
+
+
+# ---- checkpoint: the grid's tensors gathered into one full checkpoint ----------------------
+
+def gather_full_state(hybrid, optimizer):
+    """The full checkpoint's dicts, by GPT name, in rank 0's CPU memory (None elsewhere). Stage s
+    lives whole on the ranks (dp 0, s, cp 0, every tp): each of its tensors is all-gathered from
+    that TP group, and its TP rank 0 sends it to rank 0, one tensor at a time (rank 0 copies each
+    to the CPU before the next). The head's copy of wte stays: lm_head.weight is written from wte."""
+    c = hybrid.grid.coords
+    gathers = c["dp"] == 0 and c["cp"] == 0  # my stage's first TP group: takes part in gathers
+    sends = gathers and c["tp"] == 0  # its TP rank 0: the tensors' sender
+    rank0 = dist.get_rank() == 0
+    mine = []  # (name, "param" or an AdamW state key, my piece), in sending order
+    for name, p in hybrid.model.named_parameters():
+        if name != "lm_head.weight":
+            mine.append((name, "param", p.detach()))
+            for key, value in optimizer.state.get(p, {}).items():  # step: a CPU scalar
+                mine.append((name, key, value.to(hybrid.device)))
+    layout = []  # what I will send: (name, key, full shape, dtype)
+    for name, key, value in mine:
+        shape = list(value.shape)
+        if value.dim() and shard_dim(name) is not None:
+            shape[shard_dim(name)] *= hybrid.tp.size
+        layout.append((name, key, shape, value.dtype))
+    layouts = [None] * dist.get_world_size() if rank0 else None
+    dist.gather_object(layout if sends else [], layouts, dst=0)
+    params, states = {}, {}
+
+    def keep(name, key, value):
+        if key == "param":
+            params[name] = value.to("cpu", copy=True)
+        else:
+            states.setdefault(name, {})[key] = value.to("cpu", copy=True)
+    if gathers:
+        for name, key, value in mine:
+            full = hybrid.full_tensor(name, value)
+            if rank0:
+                keep(name, key, full)
+            elif sends:
+                dist.send(full, dst=0)
+    if not rank0:
+        return None, None
+    for r in range(1, len(layouts)):
+        for name, key, shape, dtype in layouts[r]:
+            value = torch.empty(shape, dtype=dtype, device=hybrid.device)
+            dist.recv(value, src=r)
+            keep(name, key, value)
+    model = {}
+    for name in GPT(hybrid.config, device="meta").state_dict():
+        model[name] = params[WTE_NAME if name == "lm_head.weight" else name]
+    return model, states
+
+
+if __name__ == "__main__":
+    main()
+    teardown()  # after main() has returned and its objects are gone
