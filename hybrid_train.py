@@ -784,8 +784,8 @@ def add_hybrid_flags(group):
     group.add_argument("--context_parallel_size", type=int, default=None, help="cp (default 1)")
     add_bool(group, "--sequence_parallel", False, "TP: split the activations between the linears "
              "by sequence")
-    group.add_argument("--n_microbatches", type=int, default=4,
-                       help="PP: micro-batches per micro-step")
+    group.add_argument("--n_microbatches", type=int, default=None,
+                       help="PP: micro-batches per micro-step (default 4; 1 without PP)")
     group.add_argument("--bucket_cap_mb", type=float, default=25.0, help="DP: bucket size (MiB)")
     add_bool(group, "--print_grid", False, "print every rank's coordinates and groups")
 
@@ -815,6 +815,8 @@ def check_hybrid_args(args, world_size):
     if args.dropout > 0 and tp * cp > 1:
         die("--dropout: must be 0 with tensor or context parallelism here (the ring has no "
             "attention dropout; tp_train.py shows TP's two dropout streams)")
+    if args.n_microbatches is None:
+        args.n_microbatches = 4 if pp > 1 else 1
     if args.n_microbatches <= 0 or args.bucket_cap_mb <= 0:
         die("--n_microbatches, --bucket_cap_mb: must be > 0")
     if args.batch_size % (dp * args.grad_accum_steps * args.n_microbatches):

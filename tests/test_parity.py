@@ -321,3 +321,70 @@ def test_zero_bubble_parity(nproc, references, tmp_path):
         record(row_id("pp_train.py", implementation, nproc, extra),
                {"max_abs_dloss_vs_reference": vs_reference, "max_abs_dloss_vs_plain": vs_plain})
         assert vs_reference <= TOL and vs_plain <= TOL, (implementation, extra, losses, reference)
+
+
+# hybrid_train.py: every pair of axes at 4 ranks, and two grids of three at 8, each with gradient accumulation and
+# clipping (the parity config clips: its norms are above 1), as one launch of tests/runs.py per rank count. The 8-rank
+# launch also writes a checkpoint at dp2 x tp2 x pp2 after CUT steps and resumes it at tp2 x pp2 x cp2 to STEPS; a
+# single process then resumes the same checkpoint in ddp_train.py. (dp2 x tp2 x pp2 x cp2 on 16 ranks: run_all.sh.)
+HYBRID_ROWS = {
+    4: [("custom", ["--data_parallel_size", "2", "--tensor_parallel_size", "2", "--print_grid"]),
+        ("custom", ["--data_parallel_size", "2", "--pipeline_parallel_size", "2", "--n_microbatches", "2"]),
+        ("custom", ["--data_parallel_size", "2", "--context_parallel_size", "2"]),
+        ("custom", ["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2", "--sequence_parallel"]),
+        ("custom", ["--tensor_parallel_size", "2", "--context_parallel_size", "2", "--sequence_parallel"]),
+        ("custom", ["--pipeline_parallel_size", "2", "--context_parallel_size", "2"])],
+    8: [("custom", ["--data_parallel_size", "2", "--tensor_parallel_size", "2", "--pipeline_parallel_size", "2",
+                    "--n_microbatches", "2"]),
+        ("custom", ["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2", "--context_parallel_size", "2",
+                    "--sequence_parallel"])],
+}
+HYBRID_CUT = 6
+
+
+def grid_lines(stdout):
+    """--print_grid's lines: rank -> its text."""
+    return {int(line.split(":")[0][5:]): line for line in stdout.splitlines() if line.startswith("rank ")}
+
+
+@pytest.mark.parametrize("nproc", sorted(HYBRID_ROWS))
+def test_hybrid_parity(nproc, references, tmp_path):
+    from conftest import launch
+    rows = HYBRID_ROWS[nproc]
+    flags = FLAGS + ["--grad_accum_steps", "2", "--lr_decay_iters", str(STEPS)]
+    runs = [flags + ["--implementation", implementation] + extra + ["--out_dir", str(tmp_path / str(k))]
+            for k, (implementation, extra) in enumerate(rows)]
+    ckpt = tmp_path / "cut" / "ckpt.pt"
+    if nproc == 8:  # cut at one grid, resumed at another
+        runs.append(flags + rows[0][1] + ["--max_iters", str(HYBRID_CUT), "--out_dir", str(ckpt.parent)])
+        runs.append(flags + rows[1][1] + ["--resume_from", str(ckpt), "--out_dir", str(tmp_path / "resumed")])
+    argv = ["hybrid_train.py"] + [arg for run in runs for arg in run + ["---"]][:-1]
+    result = launch("tests/runs.py", nproc, argv, torchrun=False)
+    assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    reference, plain = references()
+    for k, (implementation, extra) in enumerate(rows):
+        losses = step_losses(tmp_path / str(k))
+        assert len(losses) == STEPS
+        vs_reference = max(abs(a - b) for a, b in zip(losses, reference))
+        vs_plain = max(abs(a - b) for a, b in zip(losses, plain))
+        record(row_id("hybrid_train.py", implementation, nproc, extra),
+               {"max_abs_dloss_vs_reference": vs_reference, "max_abs_dloss_vs_plain": vs_plain})
+        assert vs_reference <= TOL and vs_plain <= TOL, (implementation, extra, losses, reference)
+    if nproc == 4:  # dp 2 x tp 2: rank = d * 2 + t
+        lines = grid_lines(result.stdout)
+        assert sorted(lines) == [0, 1, 2, 3]
+        for rank, line in lines.items():
+            d, t = divmod(rank, 2)
+            assert line.startswith(f"rank {rank}: dp={d} pp=0 cp=0 tp={t}; tp {[2 * d, 2 * d + 1]}, "), line
+            assert f"dpxcp {[t, 2 + t]}" in line and f"ppxtp {[2 * d, 2 * d + 1]}" in line, line
+    if nproc == 8:
+        assert f"resuming from {ckpt} at step {HYBRID_CUT}" in result.stdout
+        resumed = step_losses(tmp_path / "resumed")
+        delta = max(abs(a - b) for a, b in zip(resumed, reference[HYBRID_CUT:]))  # a new out_dir: steps CUT..
+        assert len(resumed) == STEPS - HYBRID_CUT and delta <= TOL, (resumed, reference)
+        single = launch("ddp_train.py", None, flags + ["--resume_from", str(ckpt), "--out_dir", str(tmp_path / "ddp")])
+        assert single.returncode == 0, single.stderr[-3000:]
+        in_ddp = step_losses(tmp_path / "ddp")
+        delta_ddp = max(abs(a - b) for a, b in zip(in_ddp, reference[HYBRID_CUT:]))
+        record("hybrid-8r-resumed", {"at_tp2_pp2_cp2": delta, "in_ddp_train": delta_ddp})
+        assert len(in_ddp) == STEPS - HYBRID_CUT and delta_ddp <= TOL
