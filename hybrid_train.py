@@ -1,40 +1,35 @@
 """Hybrid: DP x TP x PP x CP in one run (4D parallelism), by hand.
 
 The N ranks form a grid, ranks = arange(N).view(dp, pp, cp, tp): a rank's coordinates are its place
-in each of four strategies, and each axis is a process group of the ranks that differ in that
-coordinate only. TP is the fastest-varying axis, so a TP group is tp consecutive ranks: one node's
-fast links (NVLink), as TP talks in every block; then CP (a ring in every attention), PP (one
-activation per micro-batch, between neighbours), and DP outermost, the one that crosses nodes: it
-talks once a step. Torchtitan's mesh and Megatron's order put the axes the same way.
-  TP  (tp_train.py):  every block's linears split over the TP group, Megatron's f and g around them;
-      the embedding and the tied lm_head split by vocabulary, and the loss computed from the logit
-      slices (vocab-parallel cross-entropy). --sequence_parallel splits the activations between the
-      linears by sequence.
-  CP  (cp_train.py):  each CP rank holds T/cp positions of every row (zigzag: chunks r and 2cp-1-r);
-      attention is a ring that passes K, V round the CP group. It runs inside a TP rank's heads: the
-      ring carries only those heads' K, V, and the CP groups of different TP ranks never talk.
-  PP  (pp_train.py):  the blocks are cut into pp stages, run by 1F1B over --n_microbatches
-      micro-batches. The messages between stages are this rank's piece of the activation: its T/cp
-      positions, and with --sequence_parallel its 1/tp of those, sent to the same (dp, cp, tp)
-      place on the next stage.
-  DP  (ddp_train.py): gradients are averaged over the dp x cp ranks of a (pp, tp) place, in buckets
-      that go on the wire during the last micro-batch's backward (no_sync before it): every one of
-      those ranks holds an equal share of the step's tokens, so the mean of their gradients is the
-      gradient of the mean loss.
-  The tie: wte lives on the first stage and lm_head on the last, each split by vocabulary over TP;
-      after backward the two ends of each (dp, cp, tp) place sum their gradients (a pp-ends group).
-Per rank, P parameters, L blocks, b rows a micro-batch, fp32 (4 bytes a number), C = n_embd:
-  model state  16 bytes a parameter (param, grad, AdamW's two moments) of P/(tp*pp) sharded ones,
-               plus the replicated LayerNorms, wpe and row-parallel biases, plus on the last stage
-               the head's copy of wte's vocab/tp rows (16*vocab*C/tp bytes) when pp > 1.
-  tp           per block and micro-batch 2 all-reduces of b*T/cp*C numbers forward and 2 backward
-               (SP: all-gathers and reduce-scatters of the same bytes); the first stage's embedding
-               adds 1 forward; the last stage's head adds 1 backward and the loss 2 all-reduces of
-               b*T/cp and 2*b*T/cp numbers.
-  cp           per block and micro-batch cp-1 ring sends of K, V (2*b*T/cp*C/tp numbers) forward
-               and 2(cp-1) backward (K, V again and the dK, dV accumulators).
-  pp           per micro-batch one activation forward and its gradient back, b*T/cp*C numbers
-               (/tp with SP), between neighbouring stages.
+in four strategies, and each axis is a process group of the ranks that differ in that coordinate
+only. TP varies fastest, so a TP group is tp consecutive ranks, one node's fast links, as TP talks
+in every block; then CP (a ring in every attention), PP (one activation a micro-batch, between
+neighbours), and DP outermost, across nodes: it talks once a step (torchtitan's and Megatron's
+order too). Each part is its script's, shortened; read the lesson there:
+  TP (tp_train.py)   Megatron's f and g around each block's column- and row-parallel linears; the
+                     embedding and the tied head split by vocabulary, and the loss computed from
+                     the logit slices. --sequence_parallel: the activations between the linears
+                     split by sequence.
+  CP (cp_train.py)   each CP rank holds T/cp positions of every row (zigzag: chunks r and 2cp-1-r)
+                     and attention passes K, V round a ring. It runs inside a TP rank's heads: the
+                     ring carries those heads' K, V only.
+  PP (pp_train.py)   the blocks cut into pp stages, run by 1F1B over --n_microbatches. A message
+                     is this rank's piece of the activation, its T/cp positions (with SP 1/tp of
+                     those), sent to the same (dp, cp, tp) place on the next stage.
+  DP (ddp_train.py)  gradients averaged over the dp x cp ranks of a (pp, tp) place: each holds an
+                     equal share of the tokens, so their mean gradient is that of the mean loss.
+  The tie            wte on the first stage, lm_head on the last, both split by vocabulary over
+                     TP: the two ends of each (dp, cp, tp) place sum their gradients.
+Per rank, P parameters, L blocks a stage, b rows a micro-batch, C = n_embd, 4 bytes a number:
+  model state  16 bytes a parameter (param, grad, AdamW's two moments) of about P/(tp*pp): its
+               stage's TP shards, the replicated LayerNorms, wpe and row-parallel biases, and on
+               the last stage (pp > 1) the head's copy of wte's vocab/tp rows.
+  tp           per block and micro-batch 2 all-reduces of b*T/cp*C numbers forward, 2 backward
+               (SP: an all-gather or reduce-scatter each, the same bytes); the embedding adds 1
+               forward; the head 1 backward and the loss all-reduces of b*T/cp and 2b*T/cp.
+  cp           per block and micro-batch cp-1 ring sends of K, V (2b*T/cp*C/tp numbers) forward,
+               2(cp-1) backward (K, V again, and the dK, dV accumulators).
+  pp           per micro-batch an activation forward and its gradient back: b*T/cp*C (SP: /tp).
   dp x cp      one all-reduce of the stage's gradients a step (4 bytes a local parameter).
   pp ends      one all-reduce of the tied gradient a step: vocab/tp*C numbers (pp > 1).
 
@@ -53,14 +48,13 @@ Run:
 import math
 import os
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.checkpoint import checkpoint, resume, set_adamw_state
+from common.checkpoint import checkpoint, gather_to_rank0, resume, set_adamw_state
 from common.config import add_bool, die, get_lr, gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import all_gather_single, autocast, clip_grad_norm_, reduce_scatter_single
@@ -422,6 +416,7 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         dq = torch.zeros_like(q, dtype=torch.float32)
         scale = q.size(-1) ** -0.5
+        my_dkv = carried = None
         # Block j's dK, dV accumulator starts on rank j+1 and follows the block round the ring,
         # each rank adding its queries' share, until rank j-1 hands it to j, who adds its own.
         for i in range(cp.size):
@@ -547,51 +542,29 @@ class StageGPT(nn.Module):
 # ---- DP: gradient buckets, all-reduced over dp x cp during the last backward (ddp_train.py) ----
 
 class GradientBuckets:
-    """Flat buffers that the parameters' .grad are views of, so autograd accumulates into them,
-    each all-reduced (async) as soon as its last gradient is in. require_sync False (no_sync):
-    accumulate only. Buckets in reverse registration order, about the order backward fills them
-    (ddp_train.py rebuilds them in the measured order)."""
+    """DP over dp x cp: flat buffers that the parameters' .grad are views of, so autograd
+    accumulates into them over micro-batches and micro-steps (which send nothing), all-reduced
+    after the step's last backward: one async all-reduce a bucket of bucket_cap_mb, waited
+    together. ddp_train.py starts each bucket from a hook inside backward; under a pipeline only
+    the last micro-batch's backward could hide them."""
     def __init__(self, params, bucket_cap_mb, group):
-        self.group = group
-        self.require_sync = True
-        self.buckets, current, size = [], [], 0
-        for p in reversed(params):
-            if current and size + 4 * p.numel() > bucket_cap_mb * 2**20:
-                self.buckets.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += 4 * p.numel()
-        self.buckets.append(current)
-        self.buffers = []
-        for bucket in self.buckets:
-            buffer = torch.zeros(sum(p.numel() for p in bucket), device=bucket[0].device)
-            for p, view in zip(bucket, buffer.split([p.numel() for p in bucket])):
-                p.grad = view.view_as(p)
-            self.buffers.append(buffer)
-        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self.pending = [len(bucket) for bucket in self.buckets]
-        self.next, self.works = 0, []
-        # The hook holds the buckets weakly: a parameter keeps its hooks in C++, out of the garbage
-        # collector's sight, so param -> hook -> buckets -> param would never be freed.
-        buckets = weakref.ref(self)
-        for p in params:
-            p.register_post_accumulate_grad_hook(lambda p: buckets().grad_ready(p))
+        self.group, self.buffers = group, []
+        bucket, size = [], 0
+        for p in params + [None]:  # None: the end, which closes the last bucket
+            if bucket and (p is None or size + 4 * p.numel() > bucket_cap_mb * 2**20):
+                buffer = torch.zeros(size // 4, device=bucket[0].device)
+                for q, view in zip(bucket, buffer.split([q.numel() for q in bucket])):
+                    q.grad = view.view_as(q)
+                self.buffers.append(buffer)
+                bucket, size = [], 0
+            if p is not None:
+                bucket.append(p)
+                size += 4 * p.numel()
 
-    def grad_ready(self, p):
-        self.pending[self.bucket_of[p]] -= 1
-        # the same all-reduces in the same order on every rank: a full bucket waits for earlier ones
-        while self.require_sync and self.next < len(self.buckets) and not self.pending[self.next]:
-            # the bucket's numel x 4 bytes: each rank's gradients were divided by the group's size
-            # before backward, so the sum is the mean
-            self.works.append(dist.all_reduce(self.buffers[self.next], group=self.group,
-                                              async_op=True))
-            self.next += 1
-
-    def finish_backward(self):
-        """After every backward: the one wait, on a syncing one."""
-        wait(self.works)
-        self.pending = [len(bucket) for bucket in self.buckets]
-        self.next, self.works = 0, []
+    def all_reduce(self):
+        # numel x 4 bytes a bucket; every rank divided its loss by the group's size: the sum is
+        # the mean
+        wait([dist.all_reduce(buffer, group=self.group, async_op=True) for buffer in self.buffers])
 
 
 def all_reduce_grads(grads, group):
@@ -649,27 +622,34 @@ class Hybrid:
         """One batch of pipeline messages with the neighbouring stages, posted together and waited
         (Megatron's p2p ops: under NCCL a send may wait for its receive, and two neighbours that
         both sent first would wait forever). Each is b x T/cp x C numbers (/tp with SP): an output
-        to the next stage, an input's gradient to the one before."""
-        group = self.grid.group("pp")
-        ops, received = [], [None, None]
-        if send_forward is not None and self.next_stage is not None:
-            ops.append(dist.P2POp(dist.isend, send_forward, self.next_stage, group))
-        if send_backward is not None and self.prev_stage is not None:
-            ops.append(dist.P2POp(dist.isend, send_backward, self.prev_stage, group))
-        if recv_forward and self.prev_stage is not None:
-            received[0] = torch.empty(shape, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, received[0], self.prev_stage, group))
-        if recv_backward and self.next_stage is not None:
-            received[1] = torch.empty(shape, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, received[1], self.next_stage, group))
+        to the next stage, an input's gradient to the one before. Returns what was received."""
+        group, ops, received = self.grid.group("pp"), [], [None, None]
+        for tensor, peer in ((send_forward, self.next_stage), (send_backward, self.prev_stage)):
+            if tensor is not None and peer is not None:
+                ops.append(dist.P2POp(dist.isend, tensor, peer, group))
+        for i, (wanted, peer) in enumerate([(recv_forward, self.prev_stage),
+                                            (recv_backward, self.next_stage)]):
+            if wanted and peer is not None:
+                received[i] = torch.empty(shape, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, received[i], peer, group))
         if ops:
             wait(dist.batch_isend_irecv(ops))
         return received
 
     def forward_backward(self, x, y, sync):
-        """One micro-step: M micro-batches of my rows at my positions, through this stage by 1F1B
-        (Megatron's schedule without interleaving): pp-1-s warm-up forwards, then one forward one
-        backward, then the rest of the backwards. Returns the loss on the last stage, else 0."""
+        """One micro-step; returns its loss on the last stage, else 0."""
+        warmup = min(self.grid.size["pp"] - 1 - self.grid.coords["pp"], self.M)
+        loss = self.one_f_one_b(x, y, warmup)
+        if sync:  # else accumulate only (DDP's no_sync)
+            self.buckets.all_reduce()
+            self.finish_gradients()
+        return loss
+
+    def one_f_one_b(self, x, y, n_warmup):
+        """M micro-batches of my rows at my positions through this stage by 1F1B (Megatron's
+        schedule without interleaving): n_warmup forwards (pp-1-s: what can be in flight below
+        me), then one forward one backward, then the remaining backwards. n_warmup = M: forwards
+        only (evaluation). Returns the mean loss on the last stage, else 0."""
         xs, ys = x[:, self.cp.mine].chunk(self.M), y[:, self.cp.mine].chunk(self.M)
         shape = (xs[0].size(0), len(self.pos), self.config.n_embd)
         # Each micro-batch is 1/(M*A) of my rows; each of the dp*cp ranks that the buckets sum
@@ -680,23 +660,20 @@ class Hybrid:
 
         def forward(i, received):
             nonlocal loss_sum
-            inp = xs[i] if self.model.first else received.requires_grad_()
+            inp = xs[i] if self.model.first else received.requires_grad_(torch.is_grad_enabled())
             with activations.first(), autocast(self.args, self.device):
                 out = self.model(inp, ys[i], self.pos)
             if self.model.last:
-                loss_sum += out.detach() / self.M
+                loss_sum += out.detach().float() / self.M
                 out = out * scale
             stash.append((inp, out))
             return None if self.model.last else out.detach()
 
         def backward(i, grad_out):
             inp, out = stash.pop(0)
-            self.buckets.require_sync = sync and i == self.M - 1  # no_sync before the last
-            torch.autograd.backward(out, grad_out)
-            self.buckets.finish_backward()
+            torch.autograd.backward(out, grad_out)  # accumulates into the buckets
             return None if self.model.first else inp.grad
 
-        n_warmup = min(self.grid.size["pp"] - 1 - self.grid.coords["pp"], self.M)
         for i in range(n_warmup):
             received, _ = self.exchange(recv_forward=True, shape=shape)
             self.exchange(send_forward=forward(i, received))
@@ -712,12 +689,10 @@ class Hybrid:
         for i in range(n_steady, self.M):
             _, grad_out = self.exchange(recv_backward=True, shape=shape)
             self.exchange(send_backward=backward(i, grad_out))
-        if sync:
-            self.finish_gradients()
         return loss_sum
 
     def finish_gradients(self):
-        """After the last backward (the buckets have averaged over dp x cp): with SP the replicated
+        """After the buckets' all-reduce (the mean over dp x cp): with SP the replicated
         parameters' partial gradients summed over TP; the tied wte/lm_head's two parts summed by
         the ends of the pipeline, which then take identical AdamW steps."""
         if self.model.sequence_parallel_params:
@@ -727,19 +702,8 @@ class Hybrid:
 
     @torch.no_grad()
     def eval_loss(self, x, y):
-        """Forwards only, micro-batch by micro-batch: the loss on the last stage, else 0."""
         self.model.eval()
-        xs, ys = x[:, self.cp.mine].chunk(self.M), y[:, self.cp.mine].chunk(self.M)
-        shape = (xs[0].size(0), len(self.pos), self.config.n_embd)
-        loss = torch.zeros((), device=self.device)
-        for i in range(self.M):
-            received, _ = self.exchange(recv_forward=True, shape=shape)
-            with autocast(self.args, self.device):
-                out = self.model(xs[i] if self.model.first else received, ys[i], self.pos)
-            if self.model.last:
-                loss += out.float() / self.M
-            else:
-                self.exchange(send_forward=out)
+        loss = self.one_f_one_b(x, y, self.M)  # forwards only
         self.model.train()
         return loss
 
@@ -913,51 +877,22 @@ def main(argv=None):
 def gather_full_state(hybrid, optimizer):
     """The full checkpoint's dicts, by GPT name, in rank 0's CPU memory (None elsewhere). Stage s
     lives whole on the ranks (dp 0, s, cp 0, every tp): each of its tensors is all-gathered from
-    that TP group, and its TP rank 0 sends it to rank 0, one tensor at a time (rank 0 copies each
-    to the CPU before the next). The head's copy of wte stays: lm_head.weight is written from wte."""
+    that TP group, and its TP rank 0 sends it to rank 0, one at a time (gather_to_rank0). The
+    head's copy of wte stays: lm_head.weight is written from wte."""
     c = hybrid.grid.coords
-    gathers = c["dp"] == 0 and c["cp"] == 0  # my stage's first TP group: takes part in gathers
-    sends = gathers and c["tp"] == 0  # its TP rank 0: the tensors' sender
-    rank0 = dist.get_rank() == 0
-    mine = []  # (name, "param" or an AdamW state key, my piece), in sending order
+    entries = []  # only my stage's first TP group takes part
     for name, p in hybrid.model.named_parameters():
-        if name != "lm_head.weight":
-            mine.append((name, "param", p.detach()))
-            for key, value in optimizer.state.get(p, {}).items():  # step: a CPU scalar
-                mine.append((name, key, value.to(hybrid.device)))
-    layout = []  # what I will send: (name, key, full shape, dtype)
-    for name, key, value in mine:
-        shape = list(value.shape)
-        if value.dim() and shard_dim(name) is not None:
-            shape[shard_dim(name)] *= hybrid.tp.size
-        layout.append((name, key, shape, value.dtype))
-    layouts = [None] * dist.get_world_size() if rank0 else None
-    dist.gather_object(layout if sends else [], layouts, dst=0)
-    params, states = {}, {}
-
-    def keep(name, key, value):
-        if key == "param":
-            params[name] = value.to("cpu", copy=True)
-        else:
-            states.setdefault(name, {})[key] = value.to("cpu", copy=True)
-    if gathers:
-        for name, key, value in mine:
-            full = hybrid.full_tensor(name, value)
-            if rank0:
-                keep(name, key, full)
-            elif sends:
-                dist.send(full, dst=0)
-    if not rank0:
-        return None, None
-    for r in range(1, len(layouts)):
-        for name, key, shape, dtype in layouts[r]:
-            value = torch.empty(shape, dtype=dtype, device=hybrid.device)
-            dist.recv(value, src=r)
-            keep(name, key, value)
-    model = {}
-    for name in GPT(hybrid.config, device="meta").state_dict():
-        model[name] = params[WTE_NAME if name == "lm_head.weight" else name]
-    return model, states
+        if name == "lm_head.weight" or c["dp"] or c["cp"]:
+            continue
+        values = {"param": p.detach(), **optimizer.state.get(p, {})}  # step: a CPU scalar
+        for key, value in values.items():
+            value = value.to(hybrid.device)
+            shape = list(value.shape)
+            if value.dim() and shard_dim(name) is not None:
+                shape[shard_dim(name)] *= hybrid.tp.size
+            make = lambda name=name, value=value: hybrid.full_tensor(name, value)
+            entries.append((name, key, shape, value.dtype, make))
+    return gather_to_rank0(entries, c["tp"] == 0, hybrid.config, hybrid.device)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
 
-from common.checkpoint import checkpoint, resume, set_adamw_state
+from common.checkpoint import checkpoint, gather_to_rank0, resume, set_adamw_state
 from common.config import (add_bool, check_batch_split, check_torch, die, get_lr, gpt_config,
                            parse_args)
 from common.data import get_batch
@@ -876,41 +876,18 @@ def main(argv=None):
 # ---- checkpoint: the stages' tensors gathered into one full checkpoint ---------------------
 
 def gather_full_state(pipe, optimizer):
-    """The full checkpoint's dicts, by GPT name, in rank 0's CPU memory (None elsewhere), one
-    tensor at a time: each rank tells rank 0 what it holds (names and shapes: one small object),
-    then sends its parameters and their AdamW state, one message each, in that order; rank 0
-    receives each into a buffer on its device and copies it to the CPU before the next. The copy
-    of wte stays: lm_head.weight is written from wte, as in a tied GPT."""
-    mine = []  # (name, "param" or an AdamW state key, tensor), in sending order
+    """The full checkpoint's dicts, by GPT name, in rank 0's CPU memory (None elsewhere): every rank
+    sends its parameters and their AdamW state to rank 0, one message a tensor (gather_to_rank0).
+    The copy of wte (lm_head) stays: lm_head.weight is written from wte, as in a tied GPT."""
+    entries = []
     for name, q in pipe.named_parameters():
         if name == "lm_head.weight":
             continue
-        mine.append((name, "param", q.detach()))
-        for key, value in optimizer.state.get(q, {}).items():  # step: a CPU tensor
-            mine.append((name, key, value.to(pipe.device)))
-    layouts = [None] * pipe.pp_size if pipe.rank == 0 else None
-    dist.gather_object([(n, k, v.shape, v.dtype) for n, k, v in mine], layouts, dst=0)
-    if pipe.rank != 0:
-        for _, _, value in mine:
-            dist.send(value, dst=0)
-        return None, None
-    params = {}
-    states = {}
-    for r, layout in enumerate(layouts):
-        for i, (name, key, shape, dtype) in enumerate(layout):
-            if r == 0:
-                value = mine[i][2]
-            else:
-                value = torch.empty(shape, dtype=dtype, device=pipe.device)
-                dist.recv(value, src=r)
-            if key == "param":
-                params[name] = value.to("cpu", copy=True)
-            else:
-                states.setdefault(name, {})[key] = value.to("cpu", copy=True)
-    model = {}
-    for name in GPT(pipe.config, device="meta").state_dict():
-        model[name] = params[WTE_NAME if name == "lm_head.weight" else name]
-    return model, states
+        values = {"param": q.detach(), **optimizer.state.get(q, {})}  # step: a CPU tensor
+        for key, value in values.items():
+            value = value.to(pipe.device)
+            entries.append((name, key, value.shape, value.dtype, lambda value=value: value))
+    return gather_to_rank0(entries, True, pipe.config, pipe.device)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from common.config import die, gpt_config
 from common.distributed import die_on_any
+from common.model import GPT
 
 FORMAT = "nanodist-full-v1"
 
@@ -242,3 +243,41 @@ def optimizer_state_by_name(named_params, optimizer):
             state[key] = value
         by_name[name] = state
     return by_name
+
+
+def gather_to_rank0(entries, sends, config, device):
+    """Collective: the full format's dicts (model state by GPT name, AdamW state by name) in rank 0's
+    CPU memory, None elsewhere, from tensors spread over the ranks (pipeline stages). `entries`: this
+    rank's (name, "param" or an AdamW state key, full shape, dtype, make) in order, make() giving
+    the whole tensor on `device` (it may be a collective that other ranks call in the same order);
+    `sends`: whether this rank's entries go to rank 0. Each sender tells rank 0 what it holds (one
+    small object), then sends one tensor a message; rank 0 receives each into a buffer and copies
+    it to the CPU before the next. lm_head.weight is written from the tied wte."""
+    rank0 = dist.get_rank() == 0
+    layouts = [None] * dist.get_world_size() if rank0 else None
+    mine = [(name, key, shape, dtype) for name, key, shape, dtype, _ in entries]
+    dist.gather_object(mine if sends else [], layouts, dst=0)
+    params, states = {}, {}
+
+    def keep(name, key, value):
+        if key == "param":
+            params[name] = value.to("cpu", copy=True)
+        else:
+            states.setdefault(name, {})[key] = value.to("cpu", copy=True)
+    for name, key, _, _, make in entries:
+        value = make()
+        if rank0:
+            keep(name, key, value)
+        elif sends:
+            dist.send(value, dst=0)
+    if not rank0:
+        return None, None
+    for r in range(1, len(layouts)):
+        for name, key, shape, dtype in layouts[r]:
+            value = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(value, src=r)
+            keep(name, key, value)
+    model = {}
+    for name in GPT(config, device="meta").state_dict():
+        model[name] = params["transformer.wte.weight" if name == "lm_head.weight" else name]
+    return model, states
