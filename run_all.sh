@@ -36,7 +36,7 @@ if [ ! -f data/shakespeare/input.txt ] && [ -f ../shared/data/tinyshakespeare/in
   mkdir -p data/shakespeare && cp ../shared/data/tinyshakespeare/input.txt data/shakespeare/input.txt
 fi
 
-SCRIPTS=$(for s in ${ONLY:-ddp fsdp zero3 tp pp cp}; do [ -f "${s}_train.py" ] && echo "$s"; done)
+SCRIPTS=$(for s in ${ONLY:-ddp fsdp zero3 tp pp cp hybrid}; do [ -f "${s}_train.py" ] && echo "$s"; done)
 has() { [[ " $(echo $SCRIPTS) " == *" $1 "* ]]; }
 GPUS=${GPUS:-$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")}
 DEVICE=cpu   # where the NPROC-rank runs go
@@ -97,6 +97,13 @@ echo "nanodist $MODE: $NPROC ranks on $DEVICE, strategies: $(echo $SCRIPTS)"
 if [ "$MODE" = smoke ]; then
   run reference 1 ddp_train.py $FLAGS
   run_strategies "" "$NPROC"
+  if has hybrid; then  # all four axes at once: dp 2 x tp 2 x pp 2 x cp 2 (16 CPU ranks unless 16 GPUs)
+    DEVICE_WAS=$DEVICE
+    [ "$GPUS" -ge 16 ] && DEVICE=cuda || DEVICE=cpu
+    run hybrid@dp2tp2pp2cp2-custom 16 hybrid_train.py $FLAGS --data_parallel_size 2 \
+      --tensor_parallel_size 2 --pipeline_parallel_size 2 --context_parallel_size 2 --sequence_parallel
+    DEVICE=$DEVICE_WAS
+  fi
   if [ "$GPU_ROWS" = 1 ]; then  # world size 1 on the GPU, in bf16 as GPU users train it
     RUNS=runs/smoke-gpu DEVICE=cuda
     [ "$DRY" = 1 ] || mkdir -p "$RUNS"
@@ -137,6 +144,21 @@ else
       done
       run "tp-overlap-custom-r$r" "$NPROC" tp_train.py $FLAGS --tp_overlap
       run "tp-sp-overlap-custom-r$r" "$NPROC" tp_train.py $FLAGS --sequence_parallel --tp_overlap
+    fi
+    # hybrid_train.py's grids of 4 ranks (CPU, or 4 GPUs) against the single-strategy scripts on the
+    # same 4 ranks (runs named <strategy>@<grid>: common.report's COMPARE pairs them)
+    if has hybrid && { [ "$GPUS" -ge 4 ] || [ "$GPUS" = 0 ]; }; then
+      for grid in "dp4:--data_parallel_size 4" "pp4:--pipeline_parallel_size 4" \
+                  "dp2tp2:--data_parallel_size 2 --tensor_parallel_size 2" \
+                  "dp2cp2:--data_parallel_size 2 --context_parallel_size 2" \
+                  "tp2pp2:--tensor_parallel_size 2 --pipeline_parallel_size 2" \
+                  "pp2cp2:--pipeline_parallel_size 2 --context_parallel_size 2"; do
+        run "hybrid@${grid%%:*}-custom-r$r" 4 hybrid_train.py $FLAGS ${grid#*:}
+      done
+      run "ddp@dp4-custom-r$r" 4 ddp_train.py $FLAGS
+      run "pp@pp4-custom-r$r" 4 pp_train.py $FLAGS --schedule 1f1b
+      run "tp@dp2tp2-custom-r$r" 4 tp_train.py $FLAGS --data_parallel_size 2 --tensor_parallel_size 2
+      run "cp@dp2cp2-custom-r$r" 4 cp_train.py $FLAGS --context_parallel_size 2
     fi
     if has pp; then
       run "pp-1f1b-m8-custom-r$r" "$NPROC" pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8

@@ -102,6 +102,13 @@ COMPARE = [
     # TP's collectives in pieces under the matmuls, without and with SP
     (("tp-overlap", "custom"), ("tp", "custom")),
     (("tp-sp-overlap", "custom"), ("tp-sp", "custom")),
+    # hybrid_train.py's grids of 4 ranks against the single-strategy script on the same grid, or DDP
+    (("hybrid@dp4", "custom"), ("ddp@dp4", "custom")),
+    (("hybrid@pp4", "custom"), ("pp@pp4", "custom")),
+    (("hybrid@dp2tp2", "custom"), ("tp@dp2tp2", "custom")),
+    (("hybrid@dp2cp2", "custom"), ("cp@dp2cp2", "custom")),
+    (("hybrid@tp2pp2", "custom"), ("ddp@dp4", "custom")),
+    (("hybrid@pp2cp2", "custom"), ("ddp@dp4", "custom")),
 ]
 
 

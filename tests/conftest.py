@@ -176,8 +176,9 @@ def launch_as_user(script, nproc, args, adamw="foreach"):
             for key in env:
                 del os.environ[key]
         assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        result.adamw_multi_tensor_steps = [json.loads(open(os.path.join(out, f"rank{r}.json")).read())
-                                           ["adamw_multi_tensor_steps"] for r in range(nproc or 1)]
+        ranks = [json.loads(open(os.path.join(out, f"rank{r}.json")).read()) for r in range(nproc or 1)]
+        result.adamw_multi_tensor_steps = [rank["adamw_multi_tensor_steps"] for rank in ranks]
+        result.adamw_per_run = [rank["per_run"] for rank in ranks]  # runs separated by "---" in args
     return result
 
 
@@ -215,6 +216,28 @@ def shared_run(tmp_path_factory):
     as_user: run it as launch_as_user does (AdamW's foreach path, torch < 2.13's collective names)."""
     runs = {}
 
+    def batch(script, nproc, many, as_user=False):
+        """Runs every args of `many` not run yet in one launch (tests/runs.py, or tests/user_torch.py's several
+        runs), each into its own out_dir, and keeps each under its own key, as get() would have: a launch is
+        mostly start-up (about 7 s at 2 ranks), a tiny run a fraction of a second."""
+        todo = [list(args) for args in dict.fromkeys(map(tuple, many)) if (script, nproc, args, as_user) not in runs]
+        if len(todo) < 2:
+            return
+        out_dirs = [tmp_path_factory.mktemp("run") for _ in todo]
+        argv = []
+        for args, out_dir in zip(todo, out_dirs):
+            argv += args + ["--out_dir", str(out_dir), "---"]
+        if as_user:
+            result = launch_as_user(script, nproc, argv[:-1])
+        else:
+            result = launch("tests/runs.py", nproc, [script] + argv[:-1], torchrun=False)
+        assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        for k, (args, out_dir) in enumerate(zip(todo, out_dirs)):
+            one = subprocess.CompletedProcess(result.args, 0, result.stdout, result.stderr)
+            if as_user:  # each rank's multi-tensor AdamW steps in this run
+                one.adamw_multi_tensor_steps = [per_run[k] for per_run in result.adamw_per_run]
+            runs[(script, nproc, tuple(args), as_user)] = out_dir, one
+
     def get(script, nproc, args, as_user=False):
         key = (script, nproc, tuple(args), as_user)
         if key not in runs:
@@ -227,6 +250,7 @@ def shared_run(tmp_path_factory):
             assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
             runs[key] = out_dir, result
         return runs[key]
+    get.batch = batch
     return get
 
 

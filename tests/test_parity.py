@@ -111,6 +111,11 @@ AS_USERS_TORCH = {
 }
 
 
+def runs_here(script, implementation):
+    """Whether this torch runs (script, implementation): peer_needs marks no skip."""
+    return not any(mark.args[0] for mark in peer_needs(script, implementation))
+
+
 def row_id(script, implementation, nproc, extra):
     user = "-as_user" if (script, implementation, nproc, tuple(extra)) in AS_USERS_TORCH else ""
     return f"{script[:-9]}-{implementation}-{nproc}r{'-' + '-'.join(extra).replace('--', '') if extra else ''}{user}"
@@ -194,6 +199,10 @@ def test_reference_equals_plain_pytorch(references):
 def test_parity(script, implementation, nproc, extra, references, shared_run):
     reference, plain = references(extra)
     as_user = (script, implementation, nproc, tuple(extra)) in AS_USERS_TORCH
+    # every row of this script, rank count and launcher (as_user or not) that this torch runs: one launch
+    group = [FLAGS + ["--implementation", i] + list(x) for s, i, n, x in STRATEGIES
+             if (s, n) == (script, nproc) and ((s, i, n, tuple(x)) in AS_USERS_TORCH) == as_user and runs_here(s, i)]
+    shared_run.batch(script, nproc, group, as_user)
     out_dir, result = shared_run(script, nproc, FLAGS + ["--implementation", implementation] + extra, as_user)
     if as_user:  # every rank took AdamW's multi-tensor path at every step
         assert min(result.adamw_multi_tensor_steps) >= STEPS, result.adamw_multi_tensor_steps

@@ -121,12 +121,16 @@ def plan(gpus, *args, nproc="2"):
     return [m.groups() for m in rows if m], result
 
 
+HYBRID_4D = "runs/smoke/hybrid@dp2tp2pp2cp2-custom"  # hybrid_train.py on 16 ranks: the CPU unless 16 GPUs
+
+
 def test_run_all_plans_cpu_without_a_gpu():
     rows, result = plan(0)
     assert result.returncode == 0 and "GPU(s) for" not in result.stdout
     assert {device for _, _, device, _ in rows} == {"cpu"}
     assert ("runs/smoke/reference", "1") == rows[0][:2]
-    assert all(ranks == "2" for name, ranks, _, _ in rows[1:])
+    assert all(ranks == "2" for name, ranks, _, _ in rows[1:] if name != HYBRID_4D)
+    assert [ranks for name, ranks, _, _ in rows if name == HYBRID_4D] == ["16"]
     assert "runs/smoke/cp-pytorch" not in [r[0] for r in rows]  # torch's context_parallel: CUDA only
     assert not any(name.startswith("runs/smoke-gpu") for name, *_ in rows)
 
@@ -138,9 +142,9 @@ def test_run_all_on_one_gpu_runs_the_ranks_on_cpu_and_each_script_at_world_size_
     cpu = [r for r in rows if r[0].startswith("runs/smoke/")]
     gpu = [r for r in rows if r[0].startswith("runs/smoke-gpu/")]
     assert {r[2] for r in cpu} == {"cpu"} and {r[2] for r in gpu} == {"cuda"}
-    assert all(ranks == "2" for name, ranks, _, _ in cpu if not name.endswith("reference"))
+    assert all(ranks == "2" for name, ranks, _, _ in cpu if not name.endswith("reference") and name != HYBRID_4D)
     assert all(ranks == "1" and "--dtype bfloat16" in command for _, ranks, _, command in gpu)
-    scripts = ["ddp", "fsdp", "zero3", "tp", "pp", "cp"]
+    scripts = ["ddp", "fsdp", "zero3", "tp", "pp", "cp", "hybrid"]
     assert [r[0] for r in gpu] == ["runs/smoke-gpu/reference"] + [f"runs/smoke-gpu/{s}-{i}" for s in scripts
                                                                   for i in ("custom", "pytorch")]
     rows, result = plan(1, "--bench")  # refused, with one line
@@ -150,7 +154,11 @@ def test_run_all_on_one_gpu_runs_the_ranks_on_cpu_and_each_script_at_world_size_
 
 def test_run_all_uses_the_gpus_when_there_are_enough():
     rows, result = plan(2)
-    assert result.returncode == 0 and {r[2] for r in rows} == {"cuda"}
+    assert result.returncode == 0 and {r[2] for r in rows if r[0] != HYBRID_4D} == {"cuda"}
     assert "runs/smoke/cp-pytorch" in [r[0] for r in rows]
+    assert [r[2] for r in rows if r[0] == HYBRID_4D] == ["cpu"]  # 16 ranks need 16 GPUs
+    rows, _ = plan(16)
+    assert [r[2] for r in rows if r[0] == HYBRID_4D] == ["cuda"]
     rows, _ = plan(1, nproc="1")  # NPROC=1 on one GPU: every run on it
-    assert {r[2] for r in rows} == {"cuda"} and not any(r[0].startswith("runs/smoke-gpu") for r in rows)
+    assert {r[2] for r in rows if r[0] != HYBRID_4D} == {"cuda"}
+    assert not any(r[0].startswith("runs/smoke-gpu") for r in rows)

@@ -15,7 +15,8 @@ itself still sees them (its FSDP2 calls them on 2.13), so only an import made fr
 checkout outside tests/ gets the narrowed module.
 
 At exit each rank writes <dir>/rank<RANK>.json: {"rank", "adamw_multi_tensor_steps": calls of the
-foreach or fused function}.
+foreach or fused function, "per_run": those calls in each run}. Flags separated by `---` are several runs
+of the script's main() in this process, as tests/runs.py runs them (one launch for several parity rows).
 """
 import atexit
 import builtins
@@ -33,7 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.optim  # noqa: E402
 
-record = {"rank": int(os.environ.get("RANK", 0)), "adamw_multi_tensor_steps": 0}
+record = {"rank": int(os.environ.get("RANK", 0)), "adamw_multi_tensor_steps": 0, "per_run": []}
 ADAMW = os.environ.get("USER_TORCH_ADAMW")
 HIDDEN = ("all_gather_single", "reduce_scatter_single") if os.environ.get("USER_TORCH_BEFORE_2_13") else ()
 
@@ -110,4 +111,20 @@ atexit.register(write)
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path[0] = REPO
-runpy.run_path(os.path.join(REPO, script), run_name="__main__")
+if "---" not in sys.argv:
+    runpy.run_path(os.path.join(REPO, script), run_name="__main__")
+    record["per_run"].append(record["adamw_multi_tensor_steps"])
+else:  # several runs: the script imported from this checkout (so the narrowed imports apply), main() per run
+    module = importlib.import_module(os.path.basename(script)[:-3])
+    runs = [[]]
+    for arg in sys.argv[1:]:
+        if arg == "---":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    for argv in runs:
+        before = record["adamw_multi_tensor_steps"]
+        module.main(argv)
+        record["per_run"].append(record["adamw_multi_tensor_steps"] - before)
+    from common.distributed import teardown
+    teardown()
