@@ -48,6 +48,7 @@ Run:
 import math
 import os
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -140,27 +141,21 @@ class Grid:
         return int(self.ranks[c["dp"], stage, c["cp"], c["tp"]])
 
     def table(self):
-        """--print_grid: every rank's coordinates and groups."""
+        """--print_grid: every rank's coordinates and groups, a line each."""
         lines = []
         for rank in range(self.ranks.numel()):
-            where = coordinates(self.ranks, rank)
-            groups = []
-            for axes in GROUPS:
-                members = next(g for g in axis_groups(self.ranks, axes) if rank in g)
-                groups.append(f"{'x'.join(axes)} {members}")
-            place = " ".join(f"{axis}={where[axis]}" for axis in AXES)
+            place = " ".join(f"{a}={i}" for a, i in coordinates(self.ranks, rank).items())
+            mine = [next(g for g in axis_groups(self.ranks, axes) if rank in g) for axes in GROUPS]
+            groups = [f"{'x'.join(axes)} {g}" for axes, g in zip(GROUPS, mine)]
             lines.append(f"rank {rank}: {place}; " + ", ".join(groups))
         return "\n".join(lines)
 
 
 # ---- TP: Megatron's conjugate operators on the TP group (tp_train.py has the full lesson) ----
 
-class TPGroup:
-    def __init__(self, group, sequence_parallel):
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.sp = sequence_parallel
+def tp_group(group, sequence_parallel):
+    return types.SimpleNamespace(group=group, size=dist.get_world_size(group),
+                                 rank=dist.get_rank(group), sp=sequence_parallel)
 
 
 def all_gather(x, group, dim):
@@ -265,25 +260,22 @@ def unshard(name, shards):
     return shards[0] if dim is None else torch.cat(shards, dim=dim)
 
 
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, tp, in_features, out_features, bias):
+class ParallelLinear(nn.Module):
+    """Column-parallel: f, then this rank's out_features/tp outputs. Row-parallel: this rank's
+    in_features/tp slice of the matmul, summed by g, the bias added once after."""
+    def __init__(self, tp, in_features, out_features, bias, column):
         super().__init__()
-        self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features // tp.size)) if bias else None
+        self.tp, self.column = tp, column
+        if column:
+            self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features))
+        else:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
+        shape = self.weight.shape
+        self.bias = nn.Parameter(torch.empty(shape[0])) if bias else None
 
-    def forward(self, x):  # f, then this rank's out_features/tp outputs
-        return F.linear(CopyToTP.apply(x, self.tp), self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Module):
-    def __init__(self, tp, in_features, out_features, bias):
-        super().__init__()
-        self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def forward(self, x):  # this rank's term of the sum, summed by g; the bias added once
+    def forward(self, x):
+        if self.column:
+            return F.linear(CopyToTP.apply(x, self.tp), self.weight, self.bias)
         out = ReduceFromTP.apply(F.linear(x, self.weight), self.tp)
         return out + self.bias if self.bias is not None else out
 
@@ -449,8 +441,8 @@ class HybridAttention(nn.Module):
     """Attention on this TP rank's n_head/tp heads over this CP rank's T/cp positions."""
     def __init__(self, tp, cp, config):
         super().__init__()
-        self.c_attn = ColumnParallelLinear(tp, config.n_embd, 3 * config.n_embd, config.bias)
-        self.c_proj = RowParallelLinear(tp, config.n_embd, config.n_embd, config.bias)
+        self.c_attn = ParallelLinear(tp, config.n_embd, 3 * config.n_embd, config.bias, column=True)
+        self.c_proj = ParallelLinear(tp, config.n_embd, config.n_embd, config.bias, column=False)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head // tp.size
         self.dropout = config.dropout
@@ -492,8 +484,8 @@ class StageGPT(nn.Module):
             for i in range(stage * per_stage, (stage + 1) * per_stage):
                 block = full.h[i]
                 block.attn = HybridAttention(tp, cp, config)
-                block.mlp.c_fc = ColumnParallelLinear(tp, C, 4 * C, config.bias)
-                block.mlp.c_proj = RowParallelLinear(tp, 4 * C, C, config.bias)
+                block.mlp.c_fc = ParallelLinear(tp, C, 4 * C, config.bias, column=True)
+                block.mlp.c_proj = ParallelLinear(tp, 4 * C, C, config.bias, column=False)
                 blocks[str(i)] = block
             pieces = dict(h=nn.ModuleDict(blocks))
             if self.first:
@@ -588,7 +580,7 @@ class Hybrid:
         self.grid = Grid(*sizes)
         if args.print_grid and dist.get_rank() == 0:
             print(self.grid.table(), flush=True)
-        self.tp = TPGroup(self.grid.group("tp"), args.sequence_parallel)
+        self.tp = tp_group(self.grid.group("tp"), args.sequence_parallel)
         self.cp = CPGroup(self.grid.group("cp"), args.block_size, device)
         self.M = args.n_microbatches
         stage, n_stages = self.grid.coords["pp"], self.grid.size["pp"]
@@ -652,8 +644,9 @@ class Hybrid:
         only (evaluation). Returns the mean loss on the last stage, else 0."""
         xs, ys = x[:, self.cp.mine].chunk(self.M), y[:, self.cp.mine].chunk(self.M)
         shape = (xs[0].size(0), len(self.pos), self.config.n_embd)
-        # Each micro-batch is 1/(M*A) of my rows; each of the dp*cp ranks that the buckets sum
-        # over holds an equal share of the tokens: the loss divided by all three, the sum is the mean
+        # Each micro-batch is 1/(M*A) of my rows, and each of the dp*cp ranks that the buckets sum
+        # over holds an equal share of the tokens: the loss divided by all three, their sum is the
+        # mean
         scale = 1 / (self.M * self.args.grad_accum_steps * dist.get_world_size(self.dp_cp_group))
         stash = []  # (input, output) of each micro-batch between its F and its B
         loss_sum = torch.zeros((), device=self.device)
@@ -764,18 +757,18 @@ def check_hybrid_args(args, world_size):
         die(error)
     tp, pp, cp = (sizes[axis] or 1 for axis in ("tp", "pp", "cp"))
     dp = world_size // (tp * pp * cp)
-    for flag, value in (("--n_head", args.n_head), ("--n_embd", args.n_embd),
-                        ("--vocab_size", args.vocab_size)):
-        if value % tp:
-            die(f"{flag}: {value} must be divisible by --tensor_parallel_size ({tp})")
-    if args.n_layer % pp:
-        die(f"--n_layer: {args.n_layer} must be divisible by --pipeline_parallel_size ({pp})")
-    if args.block_size % (2 * cp):
-        die(f"--block_size: {args.block_size} must be divisible by 2 x --context_parallel_size "
-            f"({2 * cp}, the zigzag split)")
-    if args.sequence_parallel and (args.block_size // cp) % tp:
-        die(f"--block_size: {args.block_size} / --context_parallel_size ({cp}) must be divisible "
-            f"by --tensor_parallel_size ({tp}) with --sequence_parallel")
+    T = args.block_size
+    splits = [("--n_head", args.n_head, tp, "--tensor_parallel_size"),
+              ("--n_embd", args.n_embd, tp, "--tensor_parallel_size"),
+              ("--vocab_size", args.vocab_size, tp, "--tensor_parallel_size"),
+              ("--n_layer", args.n_layer, pp, "--pipeline_parallel_size"),
+              ("--block_size", T, 2 * cp, "2 x --context_parallel_size, the zigzag split,")]
+    for flag, value, size, what in splits:
+        if value % size:
+            die(f"{flag}: {value} must be divisible by {what} ({size})")
+    if args.sequence_parallel and (T // cp) % tp:
+        die(f"--block_size: {T} / --context_parallel_size ({cp}) must be divisible by "
+            f"--tensor_parallel_size ({tp}) with --sequence_parallel")
     if args.dropout > 0 and tp * cp > 1:
         die("--dropout: must be 0 with tensor or context parallelism here (the ring has no "
             "attention dropout; tp_train.py shows TP's two dropout streams)")
