@@ -99,7 +99,12 @@ LEDGER_FLAGS = TINY + ["--tensor_parallel_size", "2", "--pipeline_parallel_size"
                        "--n_microbatches", "2", "--max_iters", "1"]
 
 
-def _ledger(rank, world_size, sequence_parallel):
+def _ledgers(rank, world_size):
+    """_ledger without and with SP, on one set of ranks."""
+    return [_ledger(world_size, sequence_parallel) for sequence_parallel in (False, True)]
+
+
+def _ledger(world_size, sequence_parallel):
     """The numbers each collective of one micro-step (and one optimizer step) moved, by the axis of its group, and
     this rank's model-state bytes."""
     os.environ["WORLD_SIZE"] = str(world_size)
@@ -139,9 +144,15 @@ def _ledger(rank, world_size, sequence_parallel):
     return place, moved, model_state_bytes(optimizer)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["plain", "sequence_parallel"])
-def ledger(request):
-    return request.param, spawn(_ledger, 8, request.param)
+@pytest.fixture(scope="module")
+def ledgers():
+    ranks = spawn(_ledgers, 8)
+    return {sp: [rank[sp] for rank in ranks] for sp in (False, True)}
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "sequence_parallel"])
+def ledger(request, ledgers):
+    return request.param, ledgers[request.param]
 
 
 def test_model_state_is_16_bytes_a_parameter_of_this_ranks_shard_of_its_stage(ledger):
