@@ -255,6 +255,10 @@ AC_ROWS = [
                         ("custom", 0.1, ["--cp_mode", "ulysses"])]),
     ("tp_train.py", 4, [(impl, 0.1, ["--tensor_parallel_size", "2", "--sequence_parallel"]) for impl in BOTH]),
     ("pp_train.py", 4, [(impl, 0.1, ["--schedule", "interleaved", "--n_layer", "8"]) for impl in BOTH]),
+    # hybrid: the ring recomputed inside TP's heads with SP, and at a pipeline stage's B
+    ("hybrid_train.py", 4, [("custom", 0.0, ["--tensor_parallel_size", "2", "--context_parallel_size", "2",
+                                             "--sequence_parallel"]),
+                            ("custom", 0.0, ["--pipeline_parallel_size", "2", "--context_parallel_size", "2"])]),
 ]
 
 
