@@ -718,6 +718,13 @@ class Hybrid:
             return tensor
         return unshard(name, all_gather(tensor, self.tp.group, dim=0).chunk(self.tp.size))
 
+    def full_shape(self, name, tensor):
+        """The shape of the whole tensor that full_tensor() gathers."""
+        shape = list(tensor.shape)
+        if tensor.dim() and shard_dim(name) is not None:
+            shape[shard_dim(name)] *= self.tp.size
+        return shape
+
     def full_state(self, optimizer):
         return gather_full_state(self, optimizer)  # checkpoint plumbing: after main()
 
@@ -729,8 +736,9 @@ class Hybrid:
 
 
 class TorchHybrid(peers.torch_hybrid.TorchHybrid, Hybrid):
-    """--implementation pytorch: DeviceMesh, DTensor's parallelize_module and torch's pipelining
-    (peers/torch_hybrid.py); the other methods are Hybrid's."""
+    """--implementation pytorch: a DeviceMesh of the same axes, DTensor's parallelize_module and
+    torch's pipelining (peers/torch_hybrid.py); the other methods (describe, full_state) are
+    Hybrid's."""
 
 
 def add_hybrid_flags(group):
@@ -880,11 +888,8 @@ def gather_full_state(hybrid, optimizer):
         values = {"param": p.detach(), **optimizer.state.get(p, {})}  # step: a CPU scalar
         for key, value in values.items():
             value = value.to(hybrid.device)
-            shape = list(value.shape)
-            if value.dim() and shard_dim(name) is not None:
-                shape[shard_dim(name)] *= hybrid.tp.size
             make = lambda name=name, value=value: hybrid.full_tensor(name, value)
-            entries.append((name, key, shape, value.dtype, make))
+            entries.append((name, key, hybrid.full_shape(name, value), value.dtype, make))
     return gather_to_rank0(entries, c["tp"] == 0, hybrid.config, hybrid.device)
 
 

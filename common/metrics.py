@@ -154,8 +154,12 @@ class SavedActivations:
         # parameters, and views of them (a Linear saves its weight transposed), are not activations
         if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
             local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's local shard
-            storage = local.untyped_storage()
-            self.storages[storage.data_ptr()] = storage.nbytes()
+            try:
+                storage = local.untyped_storage()
+                self.storages[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:  # a wrapper without storage (a functional collective's pending
+                # result, AsyncCollectiveTensor): its numbers, once
+                self.storages[id(local)] = local.numel() * local.element_size()
         return t
 
     @classmethod

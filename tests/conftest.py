@@ -23,7 +23,8 @@ from torch.utils._pytree import tree_flatten
 
 # What PyTorch's own implementations need beyond the floor (common.config.TORCH_FLOOR), as the scripts refuse
 # it: (script, implementation, dtype) -> torch version. Tests of those runs are skipped on an older torch.
-PEER_NEEDS = {("pp_train.py", "pytorch", "float32"): "2.10", ("pp_train.py", "pytorch", "bfloat16"): "2.11"}
+PEER_NEEDS = {("pp_train.py", "pytorch", "float32"): "2.10", ("pp_train.py", "pytorch", "bfloat16"): "2.11",
+              ("hybrid_train.py", "pytorch", "float32"): "2.10"}
 
 
 def peer_needs(script, implementation, dtype="float32"):

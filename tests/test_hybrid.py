@@ -83,6 +83,7 @@ BAD_INPUT = [
     (2, ["--tensor_parallel_size", "2", "--dropout", "0.1"], "--dropout"),
     (2, ["--data_parallel_size", "2", "--n_microbatches", "8"], "--batch_size"),
     (1, ["--n_microbatches", "0"], "--n_microbatches"),
+    (4, ["--implementation", "pytorch", "--context_parallel_size", "2"], "--context_parallel_size"),  # CUDA only
 ]
 
 

@@ -340,17 +340,24 @@ def test_zero_bubble_parity(nproc, references, tmp_path):
 # clipping (the parity config clips: its norms are above 1), as one launch of tests/runs.py per rank count. The 8-rank
 # launch also writes a checkpoint at dp2 x tp2 x pp2 after CUT steps and resumes it at tp2 x pp2 x cp2 to STEPS; a
 # single process then resumes the same checkpoint in ddp_train.py. (dp2 x tp2 x pp2 x cp2 on 16 ranks: run_all.sh.)
+# PyTorch's peer (a DeviceMesh, parallelize_module, pipelining; no CP on CPU) at the grids without CP, in the same
+# launches; the 8-rank one's checkpoint resumes in the custom tp2 x pp2 x cp2 run.
 HYBRID_ROWS = {
     4: [("custom", ["--data_parallel_size", "2", "--tensor_parallel_size", "2", "--print_grid"]),
         ("custom", ["--data_parallel_size", "2", "--pipeline_parallel_size", "2", "--n_microbatches", "2"]),
         ("custom", ["--data_parallel_size", "2", "--context_parallel_size", "2"]),
         ("custom", ["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2", "--sequence_parallel"]),
         ("custom", ["--tensor_parallel_size", "2", "--context_parallel_size", "2", "--sequence_parallel"]),
-        ("custom", ["--pipeline_parallel_size", "2", "--context_parallel_size", "2"])],
-    8: [("custom", ["--data_parallel_size", "2", "--tensor_parallel_size", "2", "--pipeline_parallel_size", "2",
-                    "--n_microbatches", "2"]),
+        ("custom", ["--pipeline_parallel_size", "2", "--context_parallel_size", "2"]),
+        ("pytorch", ["--data_parallel_size", "2", "--tensor_parallel_size", "2"]),
+        ("pytorch", ["--data_parallel_size", "2", "--pipeline_parallel_size", "2", "--n_microbatches", "2"]),
+        ("pytorch", ["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2", "--sequence_parallel"])],
+    8: [("pytorch", ["--data_parallel_size", "2", "--tensor_parallel_size", "2", "--pipeline_parallel_size", "2",
+                     "--n_microbatches", "2"]),
         ("custom", ["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2", "--context_parallel_size", "2",
-                    "--sequence_parallel"])],
+                    "--sequence_parallel"]),
+        ("custom", ["--data_parallel_size", "2", "--tensor_parallel_size", "2", "--pipeline_parallel_size", "2",
+                    "--n_microbatches", "2"])],
 }
 HYBRID_CUT = 6
 
@@ -363,14 +370,17 @@ def grid_lines(stdout):
 @pytest.mark.parametrize("nproc", sorted(HYBRID_ROWS))
 def test_hybrid_parity(nproc, references, tmp_path):
     from conftest import launch
-    rows = HYBRID_ROWS[nproc]
+    rows = [(implementation, extra) for implementation, extra in HYBRID_ROWS[nproc]
+            if runs_here("hybrid_train.py", implementation)]
     flags = FLAGS + ["--grad_accum_steps", "2", "--lr_decay_iters", str(STEPS)]
     runs = [flags + ["--implementation", implementation] + extra + ["--out_dir", str(tmp_path / str(k))]
             for k, (implementation, extra) in enumerate(rows)]
     ckpt = tmp_path / "cut" / "ckpt.pt"
-    if nproc == 8:  # cut at one grid, resumed at another
-        runs.append(flags + rows[0][1] + ["--max_iters", str(HYBRID_CUT), "--out_dir", str(ckpt.parent)])
-        runs.append(flags + rows[1][1] + ["--resume_from", str(ckpt), "--out_dir", str(tmp_path / "resumed")])
+    if nproc == 8:  # cut at one grid (the peer's, where this torch runs it), resumed at another
+        cut = ["--implementation", rows[0][0]] + rows[0][1]
+        runs.append(flags + cut + ["--max_iters", str(HYBRID_CUT), "--out_dir", str(ckpt.parent)])
+        resumed = HYBRID_ROWS[8][1][1]  # custom tp2 x pp2 x cp2
+        runs.append(flags + resumed + ["--resume_from", str(ckpt), "--out_dir", str(tmp_path / "resumed")])
     argv = ["hybrid_train.py"] + [arg for run in runs for arg in run + ["---"]][:-1]
     result = launch("tests/runs.py", nproc, argv, torchrun=False)
     assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
