@@ -45,6 +45,7 @@ Run:
   torchrun --standalone --nproc_per_node=4 hybrid_train.py --tensor_parallel_size 2 \\
            --pipeline_parallel_size 2 --implementation pytorch  # peers/torch_hybrid.py
 """
+import datetime
 import math
 import os
 import time
@@ -117,17 +118,20 @@ def grid_error(sizes, world_size):
 
 class Grid:
     """This rank's coordinates and the process groups of GROUPS, plus the pp-ends group. Every
-    rank creates every group, in the same order (a rule of new_group)."""
-    def __init__(self, dp, pp, cp, tp):
+    rank creates every group, in the same order (a rule of new_group), each with --timeout_s (a
+    new group's own default is 30 minutes, not the default group's)."""
+    def __init__(self, dp, pp, cp, tp, timeout):
         self.ranks = rank_grid(dp, pp, cp, tp)
         self.size = dict(zip(AXES, (dp, pp, cp, tp)))
         self.coords = coordinates(self.ranks, dist.get_rank())
         self.groups = {}
         for axes in GROUPS:
-            self.groups[axes], _ = dist.new_subgroups_by_enumeration(axis_groups(self.ranks, axes))
+            groups = axis_groups(self.ranks, axes)
+            self.groups[axes], _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
         self.tied_group = None
         if pp > 1:
-            self.tied_group, _ = dist.new_subgroups_by_enumeration(tied_pairs(self.ranks))
+            pairs = tied_pairs(self.ranks)
+            self.tied_group, _ = dist.new_subgroups_by_enumeration(pairs, timeout=timeout)
 
     def group(self, *axes):
         return self.groups[axes]
@@ -577,7 +581,7 @@ class Hybrid:
         self.config, self.args, self.device = config, args, device
         sizes = [args.data_parallel_size, args.pipeline_parallel_size,
                  args.context_parallel_size, args.tensor_parallel_size]
-        self.grid = Grid(*sizes)
+        self.grid = Grid(*sizes, timeout=datetime.timedelta(seconds=args.timeout_s))
         if args.print_grid and dist.get_rank() == 0:
             print(self.grid.table(), flush=True)
         self.tp = tp_group(self.grid.group("tp"), args.sequence_parallel)
