@@ -48,11 +48,12 @@ import torch.nn.functional as F
 from common.checkpoint import (checkpoint, model_state_on_cpu, optimizer_state_by_name, resume,
                                set_adamw_state)
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
-from common.data import get_batch
+from common.data import Batches, get_batch
 from common.distributed import (all_gather_single, autocast, clip_grad_norm_,
                                 reduce_scatter_single, setup, setup_data, teardown, uses_cuda)
-from common.metrics import Metrics, Profiler, activations, model_state_bytes, timers
-from common.model import GPT, CausalSelfAttention, configure_optimizer, materialize_, num_params
+from common.metrics import MFU, Metrics, Profiler, activations, model_state_bytes, timers
+from common.model import GPT, CausalSelfAttention, configure_optimizer, cross_entropy
+from common.model import compile_forward, materialize_, num_params
 from common.recompute import checkpoint_blocks
 import peers.torch_cp
 
@@ -386,8 +387,7 @@ class CPGPT(GPT):
         for block in self.transformer.h:
             x = block(x)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T/cp, vocab)
-        flat_logits = logits.view(-1, logits.size(-1)).float()  # (B * T/cp, vocab)
-        loss = F.cross_entropy(flat_logits, targets.reshape(-1))
+        loss = cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))  # (B*T/cp, V)
         return logits, loss
 
 
@@ -518,6 +518,9 @@ class ContextParallel:
         self.model = CPGPT(config, args.seed, device, self.cp, args.cp_mode)
         if state is not None:  # a full checkpoint from any script: every rank loads all of it
             self.model.load_state_dict(state)
+        # --compile: each block's forward; its attention core (the ring, the all-gather or the
+        # all-to-alls) runs eagerly, the rest of the block is compiled around it
+        compile_forward(self.model.transformer.h, args.compile, eager=["attn.attend"])
         checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         self.buckets = GradientBuckets(self.model, args.bucket_cap_mb)
 
@@ -563,8 +566,11 @@ class ContextParallel:
         return loss.float()
 
     def clip_grad_norm_(self, max_norm):
-        # The gradients are equal on every rank now: the global norm needs no communication.
-        return clip_grad_norm_(None, [p.grad for p in self.model.parameters()], max_norm)
+        # The gradients are equal on every rank now: the global norm needs no communication. Every
+        # gradient is a view of a bucket, so the norm and the scaling take the flat buffers: the
+        # same elements, one tensor a bucket instead of one a parameter (a CPU foreach op runs
+        # one op per tensor).
+        return clip_grad_norm_(None, [b.buffer for b in self.buckets.buckets], max_norm)
 
     def full_state(self, optimizer):
         """Every rank holds the full model, so nothing is gathered: rank 0 copies its state into
@@ -614,6 +620,11 @@ def check_cp_args(args, world_size):
         die("--cp_mode: PyTorch's context_parallel has ring and allgather, not ulysses")
     if args.bucket_cap_mb <= 0:
         die(f"--bucket_cap_mb: must be > 0, got {args.bucket_cap_mb}")
+    if pytorch and args.bucket_cap_mb < 1:  # torch DDP under --compile, as in ddp_train.py
+        if args.compile:
+            die("--compile: dynamo splits torch DDP's compiled graph at its buckets, whose first "
+                "holds 1 MiB: --bucket_cap_mb must be >= 1 (or use --compile false)")
+        args.compile = False  # the default: off here
     if cp_size <= 0 or world_size % cp_size:
         die(f"--context_parallel_size: {cp_size} must be > 0 and divide the world size "
             f"({world_size})")
@@ -658,7 +669,8 @@ def main(argv=None):
     model = Strategy(config, args, device, ckpt and ckpt["model"])
     optimizer = model.configure_optimizer(args, ckpt and ckpt["optimizer"])
     start = ckpt["step"] if ckpt else 0
-    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
+    mfu = MFU(config, args, device, world_size)  # model FLOPs utilisation, per log line
+    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start, mfu=mfu)
     if rank == 0:
         print(f"cp ({args.implementation}): {world_size} rank(s) on {device}, "
               f"{model.describe()}; global batch {B} x {T} tokens, "
@@ -682,6 +694,7 @@ def main(argv=None):
 
     # ---- training loop -------------------------------------------------------------------
     profiler = Profiler(args, rank)
+    batches = Batches(args, mine, device)  # the training batches, one step ahead
     for step in range(start, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
             metrics.eval(step, evaluate())
@@ -689,12 +702,12 @@ def main(argv=None):
         lr = get_lr(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = get_batch("train", step, B, T, args.seed, args.dataset)
-        x, y = x[mine].to(device), y[mine].to(device)
+        x, y = batches.get(step)  # this rank's rows, on the device
         loss_sum = torch.zeros((), device=device)
         for j in range(A):  # gradients are synchronised on the last micro-step only
             part = slice(j * micro, (j + 1) * micro)
             loss_sum += model.forward_backward(x[part], y[part], sync=j == A - 1)
+        batches.prefetch(step + 1)  # built and copied while the device runs this step
         # Logged loss: the mean over all B*T tokens of the global batch (equal chunks: mean of
         # means).
         loss_sum /= A
@@ -702,10 +715,9 @@ def main(argv=None):
         norm = model.clip_grad_norm_(args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # zero in place: gradients that are views stay views
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, dt, device, args.log_interval)
+        loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step's one host sync
+        dt = time.perf_counter() - t0  # the step's kernels have run
+        metrics.step(step, loss, lr, norm, B * T, dt, device, args.log_interval)
         profiler.step()
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
             checkpoint(step + 1, model, optimizer, config, args)

@@ -30,10 +30,10 @@ import torch.distributed as dist
 from common.checkpoint import (checkpoint, model_state_on_cpu, optimizer_state_by_name, resume,
                                set_adamw_state)
 from common.config import check_batch_split, die, get_lr, gpt_config, parse_args
-from common.data import get_batch
+from common.data import Batches, get_batch
 from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
-from common.metrics import Metrics, Profiler, activations, model_state_bytes
-from common.model import GPT, configure_optimizer, num_params
+from common.metrics import MFU, Metrics, Profiler, activations, model_state_bytes
+from common.model import GPT, compile_forward, configure_optimizer, num_params
 from common.recompute import checkpoint_blocks
 import peers.torch_ddp
 
@@ -157,6 +157,11 @@ class DDP:
         self.args, self.device = args, device
         if state is not None:  # a full checkpoint from any script: every rank loads all of it
             self.model.load_state_dict(state)
+        # --compile: each block's forward. Not the whole model: its backward would be one graph,
+        # after which every gradient, and so every bucket, is ready at once, with no backward left
+        # to hide the all-reduces behind; a block's backward is its own graph, and a bucket full
+        # after it leaves while the earlier blocks compute.
+        compile_forward(self.model.transformer.h, args.compile)
         checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         self.buckets = GradientBuckets(self.model, args.bucket_cap_mb)
 
@@ -195,8 +200,11 @@ class DDP:
         return loss.float()
 
     def clip_grad_norm_(self, max_norm):
-        # The gradients are equal on every rank now: the global norm needs no communication.
-        return clip_grad_norm_(None, [p.grad for p in self.model.parameters()], max_norm)
+        # The gradients are equal on every rank now: the global norm needs no communication. Every
+        # gradient is a view of a bucket, so the norm and the scaling take the flat buffers: the
+        # same elements, one tensor a bucket instead of one a parameter (a CPU foreach op runs
+        # one op per tensor).
+        return clip_grad_norm_(None, [b.buffer for b in self.buckets.buckets], max_norm)
 
     def full_state(self, optimizer):
         """Every rank holds the full model, so nothing is gathered: rank 0 copies its state into
@@ -225,6 +233,11 @@ def check_ddp_args(args, world_size):
     """Bad input ends every rank with one line, before anything is built. Returns the DP size."""
     if args.bucket_cap_mb <= 0:
         die(f"--bucket_cap_mb: must be > 0, got {args.bucket_cap_mb}")
+    if args.implementation == "pytorch" and args.bucket_cap_mb < 1:  # torch 2.13's DDPOptimizer
+        if args.compile:
+            die("--compile: dynamo splits torch DDP's compiled graph at its buckets, whose first "
+                "holds 1 MiB: --bucket_cap_mb must be >= 1 (or use --compile false)")
+        args.compile = False  # the default: off here
     check_batch_split(args, world_size)
     return world_size
 
@@ -248,7 +261,8 @@ def main(argv=None):
     model = Strategy(config, args, device, ckpt and ckpt["model"])
     optimizer = model.configure_optimizer(args, ckpt and ckpt["optimizer"])
     start = ckpt["step"] if ckpt else 0
-    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
+    mfu = MFU(config, args, device, world_size)  # model FLOPs utilisation, per log line
+    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start, mfu=mfu)
     if rank == 0:
         print(f"ddp ({args.implementation}): {world_size} rank(s) on {device}, "
               f"{model.describe()}; global batch {B} x {T} tokens, "
@@ -272,6 +286,7 @@ def main(argv=None):
 
     # ---- training loop -------------------------------------------------------------------
     profiler = Profiler(args, rank)
+    batches = Batches(args, mine, device)  # the training batches, one step ahead
     for step in range(start, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
             metrics.eval(step, evaluate())
@@ -279,12 +294,12 @@ def main(argv=None):
         lr = get_lr(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = get_batch("train", step, B, T, args.seed, args.dataset)
-        x, y = x[mine].to(device), y[mine].to(device)
+        x, y = batches.get(step)  # this rank's rows, on the device
         loss_sum = torch.zeros((), device=device)
         for j in range(A):  # gradients are synchronised on the last micro-step only
             part = slice(j * micro, (j + 1) * micro)
             loss_sum += model.forward_backward(x[part], y[part], sync=j == A - 1)
+        batches.prefetch(step + 1)  # built and copied while the device runs this step
         # Logged loss: the mean over all B*T tokens of the global batch (equal chunks: mean of
         # means).
         loss_sum /= A
@@ -292,10 +307,9 @@ def main(argv=None):
         norm = model.clip_grad_norm_(args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # zero in place: gradients that are views stay views
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, dt, device, args.log_interval)
+        loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step's one host sync
+        dt = time.perf_counter() - t0  # the step's kernels have run
+        metrics.step(step, loss, lr, norm, B * T, dt, device, args.log_interval)
         profiler.step()
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
             checkpoint(step + 1, model, optimizer, config, args)

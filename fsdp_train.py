@@ -33,11 +33,11 @@ import torch.distributed as dist
 
 from common.checkpoint import checkpoint as full_checkpoint, resume as full_resume
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
-from common.data import get_batch
+from common.data import Batches, get_batch
 from common.distributed import (all_gather_single, autocast, clip_grad_norm_,
                                 reduce_scatter_single, setup, setup_data, teardown)
-from common.metrics import Metrics, Profiler, activations, model_state_bytes, timers
-from common.model import GPT, init_tensor
+from common.metrics import MFU, Metrics, Profiler, activations, model_state_bytes, timers
+from common.model import FUSED_ADAMW, GPT, compile_forward, init_tensor
 from common.recompute import checkpoint_blocks
 from common.sharded_checkpoint import load_sharded, resume_sharded, save_sharded
 import peers.torch_fsdp
@@ -220,7 +220,8 @@ class ShardedAdamW(torch.optim.AdamW):
     def __init__(self, units, args):
         shards = [u.local_shard for u in units]
         betas = (args.beta1, args.beta2)
-        super().__init__(shards, lr=args.learning_rate, betas=betas, eps=1e-8, weight_decay=0.0)
+        super().__init__(shards, lr=args.learning_rate, betas=betas, eps=1e-8, weight_decay=0.0,
+                         fused=FUSED_ADAMW)
         self.units = units
         self.decay_rate = args.weight_decay
 
@@ -257,6 +258,9 @@ class FSDP:
         self.sharded = FullyShardedGPT(self.model, value_of, rank, dist.get_world_size(), device,
                                        compute_dtype, args.reshard_after_forward, args.prefetch)
         self.units = self.sharded.units
+        # --compile: each block's forward; the gather, reshard and backward-gather hooks around
+        # it stay eager, and the root (its hooks wrap GPT.forward) with them
+        compile_forward(self.model.transformer.h, args.compile)
         checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         self.sharded_state = None  # --resume_sharded: this rank's own file, a dict per unit
         if args.resume_sharded:
@@ -380,7 +384,8 @@ def main(argv=None):
     model = Strategy(config, args, device, ckpt and ckpt["model"])
     optimizer = model.configure_optimizer(args, ckpt and ckpt["optimizer"])
     start = ckpt["step"] if ckpt else 0
-    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
+    mfu = MFU(config, args, device, world_size)  # model FLOPs utilisation, per log line
+    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start, mfu=mfu)
     if rank == 0:
         print(f"fsdp ({args.implementation}): {world_size} rank(s) on {device}, "
               f"{model.describe()}; global batch {B} x {T} tokens, "
@@ -404,6 +409,7 @@ def main(argv=None):
 
     # ---- training loop -------------------------------------------------------------------
     profiler = Profiler(args, rank)
+    batches = Batches(args, mine, device)  # the training batches, one step ahead
     for step in range(start, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
             metrics.eval(step, evaluate())
@@ -411,12 +417,12 @@ def main(argv=None):
         lr = get_lr(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = get_batch("train", step, B, T, args.seed, args.dataset)
-        x, y = x[mine].to(device), y[mine].to(device)
+        x, y = batches.get(step)  # this rank's rows, on the device
         loss_sum = torch.zeros((), device=device)
         for j in range(A):  # gradients are synchronised on the last micro-step only
             part = slice(j * micro, (j + 1) * micro)
             loss_sum += model.forward_backward(x[part], y[part], sync=j == A - 1)
+        batches.prefetch(step + 1)  # built and copied while the device runs this step
         # Logged loss: the mean over all B*T tokens of the global batch (equal chunks: mean of
         # means).
         loss_sum /= A
@@ -424,10 +430,9 @@ def main(argv=None):
         norm = model.clip_grad_norm_(args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # zero in place: gradients that are views stay views
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, dt, device, args.log_interval)
+        loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step's one host sync
+        dt = time.perf_counter() - t0  # the step's kernels have run
+        metrics.step(step, loss, lr, norm, B * T, dt, device, args.log_interval)
         profiler.step()
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
             checkpoint(step + 1, model, optimizer, config, args)

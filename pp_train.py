@@ -59,10 +59,11 @@ from torch.autograd.graph import get_gradient_edge
 from common.checkpoint import checkpoint, gather_to_rank0, resume, set_adamw_state
 from common.config import (add_bool, check_batch_split, check_torch, die, get_lr, gpt_config,
                            parse_args)
-from common.data import get_batch
+from common.data import Batches, get_batch
 from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
-from common.metrics import Metrics, Profiler, model_state_bytes, timers
-from common.model import GPT, configure_optimizer, init_tensor
+from common.metrics import MFU, Metrics, Profiler, model_state_bytes, timers
+from common.model import BLOCK_LINEARS, GPT, LOSS_CHUNK_ROWS, compile_forward, configure_optimizer
+from common.model import cross_entropy, init_tensor
 from common.recompute import checkpoint_blocks
 from common.schedule_report import ScheduleReport, stage_plan
 import peers.torch_pp
@@ -126,8 +127,7 @@ class Stage(nn.Module):
         logits = self.lm_head(x)  # the last stage: logits, or their mean loss
         if targets is None:
             return logits
-        flat_logits = logits.flatten(0, 1).float()  # (B*T, vocab)
-        return nn.functional.cross_entropy(flat_logits, targets.flatten())
+        return cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, vocab)
 
 
 # ---- the strategy: the backward split in two, for the zero-bubble schedule -------------------
@@ -426,34 +426,38 @@ def p2p_program(table, rank, n_stages, v_shape=False):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from (N, vocab/p) logit slices, one per rank of `group` (as
-    tp_train.py's, written out again). loss = log(sum_v exp(z_v - m)) - (z_t - m) with m the
-    global max: one all-reduce (MAX) of N numbers, then one (SUM) of 2N: each slice's sum of exp
-    and the target's logit, which lives in one slice only. Backward needs no communication:
-    d loss / d z = softmax - onehot(t), the slice of it for my rows."""
+    """Per-token cross-entropy from (N, vocab/p) logit slices in their own dtype (bf16 under
+    autocast), one per rank of `group` (tp_train.py's, written out again): loss =
+    log(sum_v exp(z_v - m)) - (z_t - m) with m the global max, from one all-reduce (MAX) of N
+    numbers and one (SUM) of 2N: each slice's sum of exp and the target's logit, which lives in
+    one slice only. fp32 only 1024 rows at a time (LOSS_CHUNK_ROWS): no fp32 copy of the slice
+    exists. Backward needs no communication: d loss / d z = softmax - onehot(t), recomputed a
+    chunk at a time from the saved logits."""
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
-        logits = logits.float()
-        max_logit = logits.amax(dim=-1)
-        dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)  # N numbers, for stability
-        # One (N, vocab/p) tensor, worked on in place: exp, softmax, then (backward) the gradient
-        exp = (logits - max_logit.unsqueeze(-1)).exp_()
+        m = logits.amax(dim=-1).float()  # (N,): exact in any dtype
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # N numbers, for stability
         local = targets - vocab_start
         mine = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank owns
         local = local.clamp(0, logits.size(-1) - 1)
-        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1)  # (N,)
-        target_logit = torch.where(mine, picked - max_logit, 0.0)
-        sums = torch.stack([exp.sum(dim=-1), target_logit])
+        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float()  # (N,)
+        chunks = zip(logits.split(LOSS_CHUNK_ROWS), m.split(LOSS_CHUNK_ROWS))
+        sum_exp = torch.cat([(z.float() - m_z.unsqueeze(-1)).exp_().sum(-1) for z, m_z in chunks])
+        sums = torch.stack([sum_exp, torch.where(mine, picked - m, 0.0)])  # (2, N)
         dist.all_reduce(sums, group=group)  # 2N numbers: sums of exp, the targets' logits
-        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local, mine)  # the softmax
+        ctx.save_for_backward(logits, m, sums[0], local, mine)
         return sums[0].log() - sums[1]
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local, mine = ctx.saved_tensors
-        # in place, as Megatron's: the saved softmax becomes the gradient (backward runs once)
-        grad_logits = softmax.scatter_add_(-1, local.unsqueeze(-1), -mine.float().unsqueeze(-1))
-        return grad_logits.mul_(grad.unsqueeze(-1)), None, None, None
+        logits, m, sum_exp, local, mine = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.size(0), LOSS_CHUNK_ROWS):
+            rows = slice(start, start + LOSS_CHUNK_ROWS)
+            softmax = (logits[rows].float() - m[rows, None]).exp_().div_(sum_exp[rows, None])
+            softmax.scatter_add_(-1, local[rows, None], -mine[rows, None].float())
+            grad_logits[rows] = softmax.mul_(grad[rows, None])
+        return grad_logits, None, None, None
 
 
 def vocab_pass(h, targets, head, vocab_start, last, group, scale, cast):
@@ -498,6 +502,8 @@ class Pipeline:
         self.loss_rank = self.rank_of(self.n_stages - 1)
         first_block = list(itertools.accumulate(args.stage_layers, initial=0))
         self.chunks = nn.ModuleList()
+        self.deferred = DeferredWeightGrads()  # zb1p: the W actions' weight gradients
+        defers = args.schedule in ZERO_BUBBLE and self.splits_backward
         for c in range(n_chunks):
             s = self.stage_of(c)  # its global stage
             # lm_head: all rows on the last stage; with --vocab_parallel my rows on my first chunk
@@ -506,14 +512,16 @@ class Pipeline:
             blocks = range(first_block[s], first_block[s + 1])
             self.chunks.append(Stage(config, s, self.n_stages, blocks, head, vp, state, args.seed,
                                      device))
+            if defers:
+                defer_weight_grads(self.chunks[-1], self.deferred)
+            # --compile: each block's forward (the p2p messages pass between chunks); with
+            # DeferredLinear its linears stay eager, their weight gradients queued for W
+            compile_forward(self.chunks[-1].transformer.h.values(), args.compile,
+                            BLOCK_LINEARS if defers else ())
             # full: a chunk's forward runs again at its B action, inside its backward, so it keeps
             # only each block's input from F to B (the schedule's live activations shrink)
             self.checkpoint_blocks(self.chunks[-1].transformer.h.values(),
                                    args.activation_checkpointing)
-        self.deferred = DeferredWeightGrads()  # zb1p: the W actions' weight gradients
-        if args.schedule in ZERO_BUBBLE and self.splits_backward:
-            for chunk in self.chunks:
-                defer_weight_grads(chunk, self.deferred)
         # Made by every rank, in the same order. p2p_group: the pipeline's messages, apart from the
         # loop's collectives; vocab_group: the vocabulary passes' collectives; tied_groups[r]:
         # rank 0 (wte) and rank r, which holds a copy of some of its rows.
@@ -773,6 +781,13 @@ def check_pp_args(args, world_size):
     if args.schedule == "interleaved" and args.n_microbatches % pp_size:
         die(f"--n_microbatches: must be a multiple of the number of ranks ({pp_size}) for "
             "--schedule interleaved")
+    if args.implementation == "pytorch" and args.schedule in ZERO_BUBBLE:
+        if args.compile:  # torch 2.13
+            die("--compile: torch's zero-bubble schedules split a block's backward into two "
+                "autograd calls (B keeps the graph for W: retain_graph), which a compiled "
+                "backward refuses (donated buffers); use --compile false, --implementation "
+                "custom, or another --schedule")
+        args.compile = False  # the default: off here
     if (args.implementation == "pytorch" and args.schedule in ZERO_BUBBLE
             and args.activation_checkpointing != "none"):  # torch 2.13, README's pipeline notes
         die("--activation_checkpointing: torch's zero-bubble schedule cannot split the backward "
@@ -811,7 +826,8 @@ def main(argv=None):
     model = Strategy(config, args, device, ckpt and ckpt["model"])
     optimizer = model.configure_optimizer(args, ckpt and ckpt["optimizer"])
     start = ckpt["step"] if ckpt else 0
-    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
+    mfu = MFU(config, args, device, world_size)  # model FLOPs utilisation, per log line
+    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start, mfu=mfu)
     if rank == 0:
         print(f"pp ({args.implementation}): {world_size} rank(s) on {device}; "
               f"global batch {B} x {T} tokens, {A} micro-step(s) of {micro} rows; "
@@ -835,6 +851,7 @@ def main(argv=None):
     # ---- training loop -------------------------------------------------------------------
     profiler = Profiler(args, rank)
     schedule_report = ScheduleReport(args, model)  # --print_schedule's timeline; live activations
+    batches = Batches(args, mine, device)  # the training batches, one step ahead
     for step in range(start, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
             metrics.eval(step, evaluate())
@@ -843,12 +860,12 @@ def main(argv=None):
         lr = get_lr(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = get_batch("train", step, B, T, args.seed, args.dataset)
-        x, y = x[mine].to(device), y[mine].to(device)
+        x, y = batches.get(step)  # this rank's rows, on the device
         loss_sum = torch.zeros((), device=device)
         for j in range(A):  # gradients are synchronised on the last micro-step only
             part = slice(j * micro, (j + 1) * micro)
             loss_sum += model.forward_backward(x[part], y[part], sync=j == A - 1)
+        batches.prefetch(step + 1)  # built and copied while the device runs this step
         # Logged loss: the mean over all B*T tokens of the global batch (equal chunks: mean of
         # means).
         loss_sum /= A
@@ -856,10 +873,9 @@ def main(argv=None):
         norm = model.clip_grad_norm_(args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # zero in place: gradients that are views stay views
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, dt, device, args.log_interval)
+        loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step's one host sync
+        dt = time.perf_counter() - t0  # the step's kernels have run
+        metrics.step(step, loss, lr, norm, B * T, dt, device, args.log_interval)
         profiler.step()
         schedule_report.end_step()
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:

@@ -51,12 +51,13 @@ import torch.nn.functional as F
 
 from common.checkpoint import checkpoint, resume, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
-from common.data import get_batch
+from common.data import Batches, get_batch
 from common.distributed import all_gather_single, autocast, clip_grad_norm_, reduce_scatter_single
 from common.distributed import setup, setup_data, teardown
-from common.metrics import Metrics, Profiler, activations, held_bytes, model_state_bytes
+from common.metrics import MFU, Metrics, Profiler, activations, held_bytes, model_state_bytes
 from common.metrics import timers
-from common.model import GPT, configure_optimizer, init_tensor
+from common.model import BLOCK_LINEARS, GPT, LOSS_CHUNK_ROWS, compile_forward, configure_optimizer
+from common.model import cross_entropy, init_tensor
 from common.recompute import checkpoint_blocks
 import peers.torch_tp
 
@@ -140,35 +141,37 @@ class GatherFromVocab(torch.autograd.Function):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from (N, V/tp) logit slices:
-        loss = log(sum_v exp(z_v - m)) - (z_t - m),  m the global max,
-    from two all-reduces: the max (N numbers), then the sums of exp and the target logits, which
-    live on one rank each (2N numbers). Backward needs no communication:
-    d loss / d z = softmax - onehot(t)."""
+    """Per-token cross-entropy from (N, vocab/tp) logit slices in their own dtype (bf16 under
+    autocast), one per rank of `group`: loss = log(sum_v exp(z_v - m)) - (z_t - m) with m
+    the global max, from one all-reduce (MAX) of N numbers and one (SUM) of 2N: each slice's sum
+    of exp and the target's logit, which lives in one slice only. fp32 only 1024 rows at a
+    time (LOSS_CHUNK_ROWS): no fp32 copy of the slice exists. Backward needs no communication:
+    d loss / d z = softmax - onehot(t), recomputed a chunk at a time from the saved logits."""
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
-        logits = logits.float()  # (N, V/tp)
-        m = logits.amax(dim=-1)  # (N,)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # N numbers: the global max
-        # One (N, V/tp) tensor, worked on in place: exp, then softmax, then (backward) gradient.
-        # Each pass over it reads and writes 4N*V/tp bytes, the most of any op in the step.
-        softmax = (logits - m.unsqueeze(-1)).exp_()
+        m = logits.amax(dim=-1).float()  # (N,): exact in any dtype
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # N numbers, for stability
         local = targets - vocab_start
         mine = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank owns
         local = local.clamp(0, logits.size(-1) - 1)
-        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1)  # (N,): z_t where mine
-        sums = torch.stack([softmax.sum(dim=-1), torch.where(mine, picked - m, 0.0)])  # (2, N)
-        dist.all_reduce(sums, group=group)  # 2N numbers: sums of exp; each target logit
-        sum_exp, target_logit = sums
-        softmax.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, mine)
-        return sum_exp.log() - target_logit
+        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float()  # (N,)
+        chunks = zip(logits.split(LOSS_CHUNK_ROWS), m.split(LOSS_CHUNK_ROWS))
+        sum_exp = torch.cat([(z.float() - m_z.unsqueeze(-1)).exp_().sum(-1) for z, m_z in chunks])
+        sums = torch.stack([sum_exp, torch.where(mine, picked - m, 0.0)])  # (2, N)
+        dist.all_reduce(sums, group=group)  # 2N numbers: sums of exp, the targets' logits
+        ctx.save_for_backward(logits, m, sums[0], local, mine)
+        return sums[0].log() - sums[1]
+
     @staticmethod
     def backward(ctx, grad):
-        softmax, local, mine = ctx.saved_tensors
-        # in place, as Megatron's: the saved softmax becomes the gradient (backward runs once)
-        grad_logits = softmax.scatter_add_(-1, local.unsqueeze(-1), -mine.float().unsqueeze(-1))
-        return grad_logits.mul_(grad.unsqueeze(-1)), None, None, None
+        logits, m, sum_exp, local, mine = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.size(0), LOSS_CHUNK_ROWS):
+            rows = slice(start, start + LOSS_CHUNK_ROWS)
+            softmax = (logits[rows].float() - m[rows, None]).exp_().div_(sum_exp[rows, None])
+            softmax.scatter_add_(-1, local[rows, None], -mine[rows, None].float())
+            grad_logits[rows] = softmax.mul_(grad[rows, None])
+        return grad_logits, None, None, None
 
 
 def all_reduce_grads(grads, group, op=dist.ReduceOp.SUM):
@@ -557,8 +560,7 @@ class TPGPT(GPT):
                                                      self.tp.group)
             return logits, losses.mean()
         logits = GatherFromVocab.apply(logits, self.tp.group)  # (B, T, V)
-        flat_logits = logits.view(B * T, -1).float()  # (B*T, V)
-        loss = F.cross_entropy(flat_logits, targets.view(-1))
+        loss = cross_entropy(logits.view(B * T, -1), targets.view(-1))  # (B*T, V)
         return logits, loss
 
 
@@ -577,6 +579,10 @@ class TensorParallel:
         self.share_rng(resumed=state is not None)
         tp = TPGroup(self.tp_group, args.sequence_parallel, args.tp_overlap)
         self.model = TPGPT(tp, config, args.seed, device, args.loss_parallel, state)
+        # --compile: each block's forward between its f and g: the parallel linears (their
+        # collectives) and SDPA (its dropout's tp_rank_rng switches generators) run eagerly; the
+        # LayerNorms, the heads' reshapes, GELU, dropout and residuals are compiled
+        compile_forward(self.model.transformer.h, args.compile, BLOCK_LINEARS + ("attn.attend",))
         # full: a block's recompute in backward runs its f and g again, so each block's forward
         # collectives (2 all-reduces; with SP 2 all-gathers and 2 reduce-scatters) run twice
         checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
@@ -774,7 +780,8 @@ def main(argv=None):
     model = Strategy(config, args, device, ckpt and ckpt["model"])
     optimizer = model.configure_optimizer(args, ckpt and ckpt["optimizer"])
     start = ckpt["step"] if ckpt else 0
-    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
+    mfu = MFU(config, args, device, world_size)  # model FLOPs utilisation, per log line
+    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start, mfu=mfu)
     if rank == 0:
         print(f"tp ({args.implementation}): {world_size} rank(s) on {device}, "
               f"{model.describe()}; global batch {B} x {T} tokens, "
@@ -798,6 +805,7 @@ def main(argv=None):
 
     # ---- training loop -------------------------------------------------------------------
     profiler = Profiler(args, rank)
+    batches = Batches(args, mine, device)  # the training batches, one step ahead
     for step in range(start, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
             metrics.eval(step, evaluate())
@@ -805,12 +813,12 @@ def main(argv=None):
         lr = get_lr(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = get_batch("train", step, B, T, args.seed, args.dataset)
-        x, y = x[mine].to(device), y[mine].to(device)
+        x, y = batches.get(step)  # this rank's rows, on the device
         loss_sum = torch.zeros((), device=device)
         for j in range(A):  # gradients are synchronised on the last micro-step only
             part = slice(j * micro, (j + 1) * micro)
             loss_sum += model.forward_backward(x[part], y[part], sync=j == A - 1)
+        batches.prefetch(step + 1)  # built and copied while the device runs this step
         # Logged loss: the mean over all B*T tokens of the global batch (equal chunks: mean of
         # means).
         loss_sum /= A
@@ -818,10 +826,9 @@ def main(argv=None):
         norm = model.clip_grad_norm_(args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # zero in place: gradients that are views stay views
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, dt, device, args.log_interval)
+        loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step's one host sync
+        dt = time.perf_counter() - t0  # the step's kernels have run
+        metrics.step(step, loss, lr, norm, B * T, dt, device, args.log_interval)
         profiler.step()
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
             checkpoint(step + 1, model, optimizer, config, args)

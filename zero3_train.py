@@ -61,10 +61,10 @@ import torch.distributed as dist
 
 from common.checkpoint import checkpoint, resume, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
-from common.data import get_batch
+from common.data import Batches, get_batch
 from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
-from common.metrics import Metrics, Profiler, activations, model_state_bytes, timers
-from common.model import GPT, configure_optimizer, init_tensor, num_params
+from common.metrics import MFU, Metrics, Profiler, activations, model_state_bytes, timers
+from common.model import GPT, compile_forward, configure_optimizer, init_tensor, num_params
 from common.recompute import checkpoint_blocks
 import peers.torch_zero3
 
@@ -257,6 +257,9 @@ class ZeRO1:
         shapes = [(n, p.shape) for n, p in GPT(config, device="meta").named_parameters()]
         owner = self.assign_owners(shapes, args.persistence_threshold)  # {name: rank or None}
         self.model, self.masters = self.build_model(config, owner, state)
+        # --compile: each block's forward, as ddp (one graph for the whole model would leave every
+        # reduce to its end); at stage 3, ParamFetcher's module hooks around each block stay eager
+        compile_forward(self.model.transformer.h, args.compile)
         checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         named = list(self.model.named_parameters())
         self.owner = {p: owner[n] for n, p in named}  # parameter -> its rank, None: persistent
@@ -426,11 +429,11 @@ class ZeRO2(ZeRO1):
         self.reducer.sync_persistent = sync
         with activations.first(), autocast(self.args, self.device):  # the bytes kept for backward
             _, loss = self.model(x, y)
-        (loss / self.args.grad_accum_steps).backward()  # each micro-step is 1/A of this rank's rows
+        # As in stage 1: with the loss divided by A*N, backward writes g/(A*N) and the reduces'
+        # plain sums are the mean, with no pass over the gradients to divide them (one op a
+        # tensor, every step). N a power of 2: the same bits as dividing after the sum.
+        (loss / (self.args.grad_accum_steps * self.world_size)).backward()
         self.reducer.finish_backward()
-        if sync:  # the gradients are complete: the reduces summed them, the owner averages
-            for p in self.reducer.owned + self.reducer.persistent:
-                p.grad.div_(self.world_size)
         return loss.detach().float()
 
 
@@ -689,7 +692,8 @@ def main(argv=None):
     model = Strategy(config, args, device, ckpt and ckpt["model"])
     optimizer = model.configure_optimizer(args, ckpt and ckpt["optimizer"])
     start = ckpt["step"] if ckpt else 0
-    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start)
+    mfu = MFU(config, args, device, world_size)  # model FLOPs utilisation, per log line
+    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start, mfu=mfu)
     if rank == 0:
         print(f"zero3 ({args.implementation}): {world_size} rank(s) on {device}, "
               f"{model.describe()}; global batch {B} x {T} tokens, "
@@ -713,6 +717,7 @@ def main(argv=None):
 
     # ---- training loop -------------------------------------------------------------------
     profiler = Profiler(args, rank)
+    batches = Batches(args, mine, device)  # the training batches, one step ahead
     for step in range(start, args.max_iters):
         if args.eval_interval and step % args.eval_interval == 0:
             metrics.eval(step, evaluate())
@@ -720,12 +725,12 @@ def main(argv=None):
         lr = get_lr(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = get_batch("train", step, B, T, args.seed, args.dataset)
-        x, y = x[mine].to(device), y[mine].to(device)
+        x, y = batches.get(step)  # this rank's rows, on the device
         loss_sum = torch.zeros((), device=device)
         for j in range(A):  # gradients are synchronised on the last micro-step only
             part = slice(j * micro, (j + 1) * micro)
             loss_sum += model.forward_backward(x[part], y[part], sync=j == A - 1)
+        batches.prefetch(step + 1)  # built and copied while the device runs this step
         # Logged loss: the mean over all B*T tokens of the global batch (equal chunks: mean of
         # means).
         loss_sum /= A
@@ -733,10 +738,9 @@ def main(argv=None):
         norm = model.clip_grad_norm_(args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # zero in place: gradients that are views stay views
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        metrics.step(step, loss_sum.item(), lr, norm.item(), B * T, dt, device, args.log_interval)
+        loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step's one host sync
+        dt = time.perf_counter() - t0  # the step's kernels have run
+        metrics.step(step, loss, lr, norm, B * T, dt, device, args.log_interval)
         profiler.step()
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
             checkpoint(step + 1, model, optimizer, config, args)

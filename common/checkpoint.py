@@ -246,13 +246,13 @@ def optimizer_state_by_name(named_params, optimizer):
 
 
 def gather_to_rank0(entries, sends, config, device):
-    """Collective: the full format's dicts (model state by GPT name, AdamW state by name) in rank 0's
-    CPU memory, None elsewhere, from tensors spread over the ranks (pipeline stages). `entries`: this
-    rank's (name, "param" or an AdamW state key, full shape, dtype, make) in order, make() giving
-    the whole tensor on `device` (it may be a collective that other ranks call in the same order);
-    `sends`: whether this rank's entries go to rank 0. Each sender tells rank 0 what it holds (one
-    small object), then sends one tensor a message; rank 0 receives each into a buffer and copies
-    it to the CPU before the next. lm_head.weight is written from the tied wte."""
+    """Collective: the full format's dicts (model state by GPT name, AdamW state by name) in rank
+    0's CPU memory, None elsewhere, from tensors spread over the ranks (pipeline stages).
+    `entries`: this rank's (name, "param" or an AdamW state key, full shape, dtype, make) in order,
+    make() giving the whole tensor on `device` (it may be a collective that other ranks call in the
+    same order); `sends`: whether this rank's entries go to rank 0. Each sender tells rank 0 what it
+    holds (one small object), then sends one tensor a message; rank 0 receives each into a buffer
+    and copies it to the CPU before the next. lm_head.weight is written from the tied wte."""
     rank0 = dist.get_rank() == 0
     layouts = [None] * dist.get_world_size() if rank0 else None
     mine = [(name, key, shape, dtype) for name, key, shape, dtype, _ in entries]

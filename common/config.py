@@ -107,6 +107,9 @@ def parse_args(strategy, add_flags=None, argv=None):
                    help="keep fewer activations and recompute them in backward: full: each "
                         "block's (only its input is kept); selective: the attention core's "
                         "(common/recompute.py)")
+    add_bool(r, "--compile", None, "torch.compile what the strategy's hooks and collectives "
+             "allow (README, 'torch.compile'); None: on with CUDA, where it pays back its "
+             "compile time (tens of seconds), off on CPU, where a short run does not")
     add_bool(r, "--deterministic", False, "deterministic kernels: torch.use_deterministic_"
              "algorithms, cuBLAS's fixed workspace and, on CUDA, SDPA's math backend; on CUDA, "
              "bit-identical reruns and resumes need it")
@@ -174,6 +177,12 @@ def check_core_args(args):
             die(f"--{name}: must be in [0, 1), got {getattr(args, name)}")
     if args.n_embd % args.n_head:
         die(f"--n_head: n_embd ({args.n_embd}) must be divisible by n_head ({args.n_head})")
+    if args.implementation == "pytorch" and args.activation_checkpointing == "selective":
+        if args.compile:  # torch 2.13
+            die("--compile: not with torch's selective activation checkpointing, whose op policy "
+                "(a dispatch mode) does not see the ops of a compiled block: its recompute gave "
+                "NaN; use --activation_checkpointing full, or --implementation custom")
+        args.compile = False  # the default: off here
     if args.vocab_size < GPT2_VOCAB:
         die(f"--vocab_size: must be >= {GPT2_VOCAB} (the GPT-2 tokenizer's vocabulary), "
             f"got {args.vocab_size}")

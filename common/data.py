@@ -166,3 +166,55 @@ def get_batch(split, step, batch_size, block_size, seed, dataset="shakespeare"):
     x = np.stack([data[i: i + block_size] for i in ix]).astype(np.int64)
     y = np.stack([data[i + 1: i + 1 + block_size] for i in ix]).astype(np.int64)
     return torch.from_numpy(x), torch.from_numpy(y)
+
+
+class Batches:
+    """This rank's rows of each training step's global batch on `device`, one step ahead, as
+    nanoGPT prefetches: the loop calls get(step) for the step it runs, and prefetch(step + 1) once
+    that step's work is queued, so the next batch is built on the host and copied while the device
+    computes. The same get_batch() windows in the same order: only when they are made changes.
+    CUDA: each batch goes through one of two pinned host buffers (pin_memory() fails on a
+    CPU-only torch, so only there) and a non_blocking copy. A buffer is written again two steps
+    later, when the step's host sync has long finished its copy; its event is still checked
+    first, so the host never overwrites a buffer that a copy may be reading. `event`: the event
+    factory (a test passes a fake)."""
+
+    def __init__(self, args, rows, device, event=None):
+        self.args, self.rows, self.device = args, rows, device
+        self.pinned = device.type == "cuda"
+        self.event = event or (lambda: torch.cuda.Event())
+        self.buffers = [None, None]  # pinned (2, rows, block_size) int64: x and y
+        self.copies = [None, None]  # the event recorded after each buffer's last copy
+        self.ahead = None  # (step, x, y) fetched ahead
+
+    def get(self, step):
+        if self.ahead is None or self.ahead[0] != step:
+            self.prefetch(step)  # the first step of a run: nothing was fetched ahead
+        _, x, y = self.ahead
+        self.ahead = None
+        return x, y
+
+    def prefetch(self, step):
+        if step >= self.args.max_iters:
+            return
+        a = self.args
+        x, y = get_batch("train", step, a.batch_size, a.block_size, a.seed, a.dataset)
+        x, y = x[self.rows], y[self.rows]
+        if not self.pinned:
+            self.ahead = (step, x.to(self.device), y.to(self.device))
+            return
+        slot = step % 2
+        if self.copies[slot] is not None and not self.copies[slot].query():
+            self.copies[slot].synchronize()  # its copy still reads it: wait (never seen in a loop)
+        if self.buffers[slot] is None:
+            self.buffers[slot] = torch.empty((2, *x.shape), dtype=x.dtype).pin_memory()
+        buffer = self.buffers[slot]
+        buffer[0].copy_(x)
+        buffer[1].copy_(y)
+        on_device = self.copy_to_device(buffer)  # returns at once; the stream runs the copy
+        self.copies[slot] = self.event()
+        self.copies[slot].record()  # on the current stream, after the copy
+        self.ahead = (step, on_device[0], on_device[1])
+
+    def copy_to_device(self, buffer):
+        return buffer.to(self.device, non_blocking=True)

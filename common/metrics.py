@@ -64,7 +64,7 @@ class DeviceClock:
     recorded on the current stream (the one the next kernel, and the wait, are queued on): the
     stream reaches it once everything queued before it has run, so end - start is the stream's
     time in the span, its waits included. seconds() waits for the end event: call it only after
-    the step's synchronize, where it costs nothing. `event`: the event factory (a test passes a
+    the step's host sync, where it costs nothing. `event`: the event factory (a test passes a
     fake)."""
 
     def __init__(self, event=None):
@@ -115,7 +115,7 @@ class Timers:
         self.t0 = self.clock.mark()
 
     def end_step(self):
-        """Called after the step's work is done (on CUDA: after torch.cuda.synchronize())."""
+        """Called after the step's work is done (on CUDA: after the step's one host sync)."""
         seconds = {}
         spans = []
         for name, label, start, end in self.marks:
@@ -196,11 +196,65 @@ class SavedActivations:
 activations = SavedActivations()
 
 
+# Dense (no sparsity) peak FLOP/s of one GPU for bf16, TF32 and plain fp32 matmuls, from NVIDIA's
+# datasheets, by a name torch.cuda.get_device_name() contains: the first match wins, so a longer
+# name comes before the one it contains ("H100 NVL" and "H100 PCIe" before "H100", "L40S" and
+# "L40" before "L4"). "H100" alone is the SXM part, "H200" alone the SXM part.
+PEAK_FLOPS = [
+    ("H100 NVL", dict(bfloat16=835e12, tf32=417.5e12, float32=60e12)),
+    ("H100 PCIe", dict(bfloat16=756e12, tf32=378e12, float32=51e12)),
+    ("H100", dict(bfloat16=989e12, tf32=494.5e12, float32=67e12)),
+    ("H200 NVL", dict(bfloat16=835e12, tf32=417.5e12, float32=60e12)),
+    ("H200", dict(bfloat16=989e12, tf32=494.5e12, float32=67e12)),
+    ("A100", dict(bfloat16=312e12, tf32=156e12, float32=19.5e12)),
+    ("L40S", dict(bfloat16=362e12, tf32=183e12, float32=91.6e12)),
+    ("L40", dict(bfloat16=181e12, tf32=90.5e12, float32=90.5e12)),
+    ("L4", dict(bfloat16=121e12, tf32=60e12, float32=30.3e12)),
+    ("RTX 4090", dict(bfloat16=165.2e12, tf32=82.6e12, float32=82.6e12)),
+]
+
+
+def peak_flops(device, args):
+    """This device's peak FLOP/s for the run's matmuls, or None where unknown (CPUs, other GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    kind = args.dtype if args.dtype == "bfloat16" or not args.tf32 else "tf32"
+    return next((peaks[kind] for gpu, peaks in PEAK_FLOPS if gpu in name), None)
+
+
+def flops_per_token(config):
+    """nanoGPT's (PaLM's appendix B): 6 FLOPs a parameter (wpe left out) for forward and
+    backward, plus attention's 12 * n_layer * n_embd * block_size (its masked causal half
+    included)."""
+    from common.model import GPT  # on the meta device: no memory
+    n_params = sum(p.numel() for p in GPT(config, device="meta").parameters())
+    n_params -= config.block_size * config.n_embd  # wpe
+    return 6 * n_params + 12 * config.n_layer * config.n_embd * config.block_size
+
+
+class MFU:
+    """Model FLOPs utilisation: the model's FLOP/s (tokens/s x flops_per_token) over the peak of
+    all the job's devices; None where the peak is unknown. Recomputation
+    (--activation_checkpointing) is not counted: MFU, not hardware utilisation."""
+    def __init__(self, config, args, device, world_size):
+        self.flops_per_token = flops_per_token(config)
+        peak = peak_flops(device, args)
+        self.peak = None if peak is None else peak * world_size
+
+    def __call__(self, tokens_per_sec):
+        if self.peak is None:
+            return None
+        return tokens_per_sec * self.flops_per_token / self.peak
+
+
 class Metrics:
-    def __init__(self, out_dir, enabled, tensorboard=True, start_step=0):
+    def __init__(self, out_dir, enabled, tensorboard=True, start_step=0, mfu=None):
         """start_step > 0 (a resumed run): keep the lines of steps before it, drop the rest (steps
-        logged after the checkpoint by the interrupted run, and its summary), and append."""
+        logged after the checkpoint by the interrupted run, and its summary), and append. mfu: an
+        MFU, for every step's line."""
         self.enabled = enabled
+        self.mfu = mfu
         self.tokens_per_sec = []
         self.peak_mem_bytes = None  # at the last step: the training's, before the final checkpoint
         timers.start_step()
@@ -247,13 +301,16 @@ class Metrics:
     def step(self, step, loss, lr, grad_norm, tokens, seconds, device, log_interval):
         timers.end_step()
         self.peak_mem_bytes = peak_mem_bytes(device)
+        mfu = self.mfu(tokens / seconds) if self.mfu is not None else None
         record = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
                       tokens_per_sec=tokens / seconds, step_ms=1000 * seconds,
-                      peak_mem_bytes=self.peak_mem_bytes)
+                      peak_mem_bytes=self.peak_mem_bytes, mfu=mfu)
         self.log(record)
         if self.enabled and (step % log_interval == 0):
+            shown = "-" if mfu is None else f"{100 * mfu:.1f}%"  # "-": no known peak (a CPU)
             print(f"iter {step}: loss {loss:.4f}, lr {lr:.2e}, norm {grad_norm:.3f}, "
-                  f"time {1000 * seconds:.1f}ms, {tokens / seconds:,.0f} tok/s", flush=True)
+                  f"time {1000 * seconds:.1f}ms, {tokens / seconds:,.0f} tok/s, mfu {shown}",
+                  flush=True)
 
     def eval(self, step, losses):
         timers.start_step()  # the evaluation's waits are not the next step's
@@ -284,13 +341,15 @@ class Metrics:
         per_rank = {}
         for key in ranks[0]:
             per_rank[f"{key}_per_rank"] = [r.get(key) for r in ranks]
+        mfu = self.mfu(median_tokens_per_sec) if self.mfu is not None else None  # at the median
         record = dict(summary=True, model_state_bytes=ranks[0]["model_state_bytes"],
                       peak_mem_bytes=ranks[0]["peak_mem_bytes"],
-                      tokens_per_sec=median_tokens_per_sec, **per_rank, **(run or {}))
+                      tokens_per_sec=median_tokens_per_sec, mfu=mfu, **per_rank, **(run or {}))
         self.log(record)
         if self.enabled:
             peak_mib = max(record["peak_mem_bytes_per_rank"]) / 2**20
-            print(f"done: median {record['tokens_per_sec']:,.0f} tok/s, model state "
+            shown = "" if mfu is None else f" (mfu {100 * mfu:.1f}%)"
+            print(f"done: median {record['tokens_per_sec']:,.0f} tok/s{shown}, model state "
                   f"{record['model_state_bytes'] / 2**20:.1f} MiB/rank, peak memory "
                   f"{peak_mib:.0f} MiB/rank (max)", flush=True)
 

@@ -7,16 +7,17 @@ the sequence (its load balancer: the same zigzag chunks as cp_train.py's positio
 averages the gradients, as cp_train.py's GradientBuckets do. CUDA only (cp_train.py's
 check_cp_args): its sharding rules cover the flash/efficient/cudnn SDPA kernels, not CPU's. Not
 run here (no GPU in this project's CI); written for NCCL, to be checked on one.
-These are the methods that differ; cp_train.py's TorchCP takes the rest (optimizer, clipping,
-checkpoint state) from its ContextParallel class, and the model from its sdpa_gpt()."""
+These are the methods that differ (the clip too: ContextParallel's takes its own buckets' flat
+buffers); cp_train.py's TorchCP takes the rest (optimizer, checkpoint state) from its
+ContextParallel class, and the model from its sdpa_gpt()."""
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
-from common.distributed import autocast
+from common.distributed import autocast, clip_grad_norm_
 from common.metrics import activations
-from common.model import num_params
+from common.model import compile_forward, num_params
 from common.recompute import torch_checkpoint_blocks
 
 
@@ -40,6 +41,9 @@ class TorchCP:
         self.model = self.sdpa_gpt(config)  # GPT's SDPA attention, which context_parallel replaces
         if state is not None:
             self.model.load_state_dict(state)
+        # --compile: each block's forward; the attention core, whose SDPA context_parallel turns
+        # into ring attention, runs eagerly (as in cp_train.py)
+        compile_forward(self.model.transformer.h, args.compile, eager=["attn.attend"])
         torch_checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         self.ddp = torch.nn.parallel.DistributedDataParallel(
             self.model, device_ids=[device.index], bucket_cap_mb=args.bucket_cap_mb,
@@ -76,6 +80,11 @@ class TorchCP:
             _, loss = self.model(x, y, pos)
         self.model.train()
         return loss.float()
+
+    def clip_grad_norm_(self, max_norm):
+        # Equal on every rank, as in ContextParallel; torch's reducer keeps its buckets to itself:
+        # the norm takes each parameter's gradient.
+        return clip_grad_norm_(None, [p.grad for p in self.model.parameters()], max_norm)
 
     def describe(self):
         dp_size, cp_size = self.grid.shape

@@ -16,7 +16,7 @@ from torch.distributed.tensor import distribute_tensor
 from common.checkpoint import set_adamw_state
 from common.distributed import autocast, clip_grad_norm_
 from common.metrics import activations
-from common.model import GPT, configure_optimizer, num_params
+from common.model import GPT, compile_forward, configure_optimizer, num_params
 from common.recompute import torch_checkpoint_blocks
 
 
@@ -30,6 +30,8 @@ class TorchFSDP:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             mp = MixedPrecisionPolicy()
+        # --compile: each block's forward; fully_shard's hooks around it stay eager
+        compile_forward(self.model.transformer.h, args.compile)
         # before fully_shard, as torch documents: its unshard before a block's backward also serves
         # the recompute
         torch_checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)

@@ -33,7 +33,7 @@ from common.checkpoint import set_adamw_state
 from common.config import check_torch, die
 from common.distributed import autocast, clip_grad_norm_
 from common.metrics import activations
-from common.model import GPT, configure_optimizer, init_tensor
+from common.model import GPT, compile_forward, configure_optimizer, init_tensor
 from common.recompute import torch_checkpoint_blocks
 from peers.torch_tp import local, local_output, replicated_input
 
@@ -187,6 +187,8 @@ class TorchHybrid:
         stage, n_stages = coords["pp"], sizes["pp"]
         self.model = TorchStage(config, stage, n_stages, self.tp_size, args.seed, device, state)
         parallelize_stage(self.model, self.tp_mesh, args.sequence_parallel)
+        # --compile: each block's forward, DTensor's collectives traced, as in torch_tp.py
+        compile_forward(self.model.transformer.h.values(), args.compile)
         torch_checkpoint_blocks(self.model.transformer.h.values(), args.activation_checkpointing)
         self.dp_group = self.mesh.get_group("dp")
         # the gradient norm's group: the ranks of my (dp, cp) place, every stage and TP shard
@@ -205,6 +207,8 @@ class TorchHybrid:
 
     def scaled_loss(self, logits, targets):
         """The mean cross-entropy from this rank's vocab/tp logit columns, under loss_parallel()."""
+        # fp32 kept here: loss_parallel's log-softmax returns the logits' dtype (bf16 under
+        # --dtype bfloat16), where the hand-written loss sums in fp32 chunk by chunk
         logits = logits.flatten(0, 1).float()  # (b*T, vocab/tp)
         logits = DTensor.from_local(logits, self.tp_mesh, [Shard(1)], run_check=False)
         loss = F.cross_entropy(logits, targets.flatten())

@@ -11,6 +11,7 @@ import torch
 
 from common.distributed import autocast
 from common.recompute import torch_checkpoint_blocks
+from common.model import cross_entropy
 
 
 class TorchPipeline:
@@ -42,7 +43,7 @@ class TorchPipeline:
             self.schedule = ScheduleGPipe(stages[0], self.M, **options)
 
     def scaled_loss(self, logits, targets):
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss = cross_entropy(logits.flatten(0, 1), targets.flatten())  # the scripts' own loss
         return loss * self.loss_scale
 
     def forward_backward(self, x, y, sync):

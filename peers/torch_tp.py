@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from common.distributed import autocast, clip_grad_norm_
 from common.metrics import activations
-from common.model import GPT
+from common.model import GPT, compile_forward
 from common.recompute import torch_checkpoint_blocks
 
 
@@ -94,6 +94,10 @@ class TorchTP:
                 if "c_attn" in name:
                     p.copy_(self.rank_ordered(name, p))
         parallelize_torch(self.model, mesh["tp"], args.sequence_parallel, args.loss_parallel)
+        # --compile: each block's forward with the plan's hooks of its modules: DTensor's
+        # collectives are traced (torch's functional collectives), as torchtitan compiles blocks;
+        # SDPA runs eagerly, as in TensorParallel (its dropout's tp_rank_rng)
+        compile_forward(self.model.transformer.h, args.compile, eager=["attn.attend"])
         torch_checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
 
     def local_piece(self, name, p, full):

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.checkpoint import model_state_on_cpu, set_adamw_state
 from common.distributed import autocast, clip_grad_norm_
-from common.model import GPT, configure_optimizer, init_tensor, num_params
+from common.model import GPT, compile_forward, configure_optimizer, init_tensor, num_params
 from common.metrics import activations
 from common.recompute import torch_checkpoint_blocks
 
@@ -37,6 +37,7 @@ class TorchZeRO3:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             mp = MixedPrecisionPolicy()
+        compile_forward(self.model.transformer.h, args.compile)  # fully_shard's hooks: eager
         torch_checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         for block in self.model.transformer.h:  # its unshard before backward serves the recompute
             fully_shard(block, mesh=self.mesh, mp_policy=mp)
@@ -105,6 +106,10 @@ class TorchZeRO1:
         self.args, self.device = args, device
         if state is not None:
             self.model.load_state_dict(state)
+        if args.activation_checkpointing == "none":  # --compile: as in torch_ddp.py
+            compile_forward([self.model], args.compile)
+        else:
+            compile_forward(self.model.transformer.h, args.compile)
         torch_checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         device_ids = [device.index] if device.type == "cuda" else None
         self.ddp = torch.nn.parallel.DistributedDataParallel(

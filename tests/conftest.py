@@ -164,9 +164,10 @@ def probe(script, nproc, args, tmp_path):
     return [json.loads((tmp_path / "probe" / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-def launch_as_user(script, nproc, args, adamw="foreach"):
+def launch_as_user(script, nproc, args, adamw="fused"):
     """Runs the script under tests/user_torch.py on nproc ranks (torchrun=False): AdamW on its `adamw` path
-    (foreach: CUDA's default; or fused) and the project's code without torch 2.13's collective names. Returns
+    (fused: the scripts' own on every device; or foreach, CUDA's default for an AdamW built without a path) and
+    the project's code without torch 2.13's collective names. Returns
     the result, with .adamw_multi_tensor_steps: each rank's count of multi-tensor AdamW updates."""
     with tempfile.TemporaryDirectory() as out:
         env = {"USER_TORCH_OUT": out, "USER_TORCH_ADAMW": adamw, "USER_TORCH_BEFORE_2_13": "1"}
@@ -214,7 +215,7 @@ def shared_run(tmp_path_factory):
     """shared_run(script, nproc, args, as_user=False) -> (out_dir, result): each distinct (script, nproc, args,
     as_user) runs once per session and every test that needs it (a reference, a parity row, the uninterrupted
     run a resume is compared with) reads the same out_dir. Each torchrun launch costs seconds of start-up.
-    as_user: run it as launch_as_user does (AdamW's foreach path, torch < 2.13's collective names)."""
+    as_user: run it as launch_as_user does (AdamW's fused path, counted; torch < 2.13's collective names)."""
     runs = {}
 
     def batch(script, nproc, many, as_user=False):

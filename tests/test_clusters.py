@@ -284,10 +284,12 @@ def test_a_rank_that_sees_one_gpu_uses_cuda_0(monkeypatch):
     monkeypatch.setattr(distributed.timers, "use_device", lambda device: calls.append(("timers", device)))
     monkeypatch.setattr(distributed, "set_numerics", lambda args, use_cuda: calls.append(("numerics", use_cuda)))
     state = torch.get_rng_state()
+    args = parse_args("ddp", None, TINY)
     try:
-        assert distributed.setup(parse_args("ddp", None, TINY)) == (1, 2, torch.device("cuda", 0))
+        assert distributed.setup(args) == (1, 2, torch.device("cuda", 0))
     finally:
         torch.set_rng_state(state)
+    assert args.compile is True  # --compile's default on CUDA
     assert calls == [("set_device", torch.device("cuda", 0)), ("numerics", True), ("timers", torch.device("cuda", 0)),
                      ("nccl", torch.device("cuda", 0))]
 

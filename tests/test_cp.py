@@ -286,6 +286,15 @@ def test_bad_input(nproc, flags, named, tmp_path, monkeypatch, capsys):
                             monkeypatch, capsys)
 
 
+def test_torch_ddp_under_compile_needs_buckets_of_a_mib(tmp_path, monkeypatch, capsys):
+    """dynamo splits torch DDP's compiled graph at its buckets (the first: 1 MiB): smaller ones are one line, as in
+    ddp_train.py (test_reliability's BAD); checked before the CUDA-only peer is built (a GPU faked)."""
+    monkeypatch.setattr(cp_train, "uses_cuda", lambda args: True)
+    flags = ["--implementation", "pytorch", "--bucket_cap_mb", "0.5", "--out_dir", str(tmp_path)]
+    error = refusal("cp_train.py", 2, TINY + flags + ["--compile"], monkeypatch, capsys)
+    assert error.startswith("error: --compile:") and "--bucket_cap_mb" in error
+
+
 def test_pytorch_implementation_on_cpu_is_one_clear_error(tmp_path, monkeypatch, capsys):
     """torch's context_parallel has sharding rules for CUDA's SDPA kernels only (CPU: NotImplementedError)."""
     error = refusal("cp_train.py", 2, TINY + ["--device", "cpu", "--implementation", "pytorch",

@@ -179,3 +179,33 @@ def test_every_scripts_nccl_wait_is_timed_on_the_stream(site, monkeypatch):
     stream.synchronize()
     timers.end_step()
     assert timers.medians_ms() == {name: pytest.approx(7.0)}
+
+
+def test_mfu_is_model_flops_over_the_known_peak(monkeypatch):
+    """MFU in every log line: nanoGPT's FLOPs a token (6 a parameter without wpe, + 12 L C T) times tokens/s, over
+    the datasheet peak of every rank's GPU for the run's matmul dtype (bf16, TF32, or fp32), None on a CPU."""
+    from common.config import parse_args
+    from common.metrics import MFU, flops_per_token, peak_flops
+    from common.model import PRESETS
+    gpt2 = PRESETS["gpt2"]
+    per_token = 6 * (124475904 - 1024 * 768) + 12 * 12 * 768 * 1024  # GPT-2 124M (vocab 50304): nanoGPT's count
+    assert flops_per_token(gpt2) == per_token
+    args = parse_args("ddp", None, ["--preset", "gpt2", "--dtype", "bfloat16"])
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert peak_flops(cpu, args) is None and MFU(gpt2, args, cpu, 2)(1e5) is None
+    for name, dtype, tf32, peak in [("NVIDIA H100 80GB HBM3", "bfloat16", True, 989e12),
+                                    ("NVIDIA H100 80GB HBM3", "float32", True, 494.5e12),
+                                    ("NVIDIA H100 PCIe", "float32", False, 51e12),
+                                    ("NVIDIA A100-SXM4-80GB", "bfloat16", True, 312e12),
+                                    ("NVIDIA H100 NVL", "bfloat16", True, 835e12),
+                                    ("NVIDIA L40S", "float32", True, 183e12),
+                                    ("NVIDIA L4", "bfloat16", True, 121e12),
+                                    ("NVIDIA GeForce RTX 4090", "bfloat16", True, 165.2e12),
+                                    ("Tesla T4", "bfloat16", True, None)]:  # not in the table
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        args.dtype, args.tf32 = dtype, tf32
+        assert peak_flops(gpu, args) == peak, name
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    args.dtype = "bfloat16"
+    mfu = MFU(gpt2, args, gpu, world_size=8)  # 8 H100s at 1M tokens/s: 855 TFLOP/s of 7.9 PFLOP/s
+    assert mfu(1e6) == pytest.approx(1e6 * per_token / (8 * 989e12))

@@ -150,3 +150,119 @@ def test_deterministic_sets_torch_cublas_and_sdpa_math(numerics, monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     numerics(["--deterministic"], use_cuda=False)
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+def test_clip_is_the_pinned_norm_in_a_few_kernels(monkeypatch):
+    """common.distributed.clip_grad_norm_: sqrt of the sum of every gradient's squares (within 1e-7 of fp64's, where
+    fp32 (g * g).sum() per tensor is 3e-8 off at 3.2M numbers and CPU's fp32 foreach norm 6e-5), from one foreach
+    norm per list, and every gradient scaled by min(1, max_norm / (norm + 1e-6)) in one foreach multiply."""
+    import torch.distributed as dist
+    from common.distributed import clip_grad_norm_
+    torch.manual_seed(0)
+    grads = [torch.randn(50304, 64), torch.randn(64) * 1e-3, torch.randn(192, 64)]
+    exact = torch.stack([g.double().square().sum() for g in grads]).sum().sqrt()
+    calls = {"_foreach_norm": 0, "_foreach_mul_": 0}
+    for name in calls:
+        def counted(*args, name=name, original=getattr(torch, name), **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+        monkeypatch.setattr(torch, name, counted)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        clipped = [g.clone() for g in grads]
+        norm = clip_grad_norm_(clipped[:1], clipped[1:], 1.0)  # a sharded list (all-reduced) and a replicated one
+    finally:
+        dist.destroy_process_group()
+    assert norm.dtype == torch.float32 and abs(norm.item() - exact.item()) <= 1e-7 * exact.item()
+    assert calls == {"_foreach_norm": 2, "_foreach_mul_": 1}
+    for g, c in zip(grads, clipped):
+        assert torch.allclose(c, g * (1.0 / (norm + 1e-6)), rtol=1e-6, atol=0)
+    measured = [g.clone() for g in grads]
+    assert clip_grad_norm_(None, measured, 0).item() == pytest.approx(exact.item(), rel=1e-7)  # 0: only measures
+    assert all(torch.equal(g, m) for g, m in zip(grads, measured))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_cross_entropy_equals_the_plain_form(dtype):
+    """common.model.cross_entropy, chunk by chunk, against F.cross_entropy on fp32 copies: the loss and the
+    gradient (in the logits' dtype), with chunks that do not divide the rows."""
+    from common.model import ChunkedCrossEntropy
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(300, 1000)).to(dtype).requires_grad_()
+    targets = torch.randint(0, 1000, (300,))
+    loss = ChunkedCrossEntropy.apply(logits, targets, 64)  # 4 chunks of 64 rows and one of 44
+    loss.backward()
+    grad, logits.grad = logits.grad, None
+    plain = torch.nn.functional.cross_entropy(logits.float(), targets)
+    plain.backward()
+    assert grad.dtype == dtype and abs(loss.item() - plain.item()) <= 1e-6 * plain.item()
+    reference = logits.grad.float()  # fp32; ours is written in the logits' dtype
+    rel = 0.0 if dtype == torch.float32 else 2 ** -7  # bf16: one unit in the last place
+    close = (grad.float() - reference).abs() <= rel * reference.abs() + 1e-6 * reference.abs().max()
+    assert close.all()
+
+
+def _vocab_parallel_losses(rank, world_size):
+    """Each script's VocabParallelCrossEntropy on this rank's vocabulary slice, in chunks of 7 rows, against
+    F.cross_entropy of the whole logits: per-token losses and this slice's gradient."""
+    import torch.distributed as dist
+    import hybrid_train
+    import pp_train
+    import tp_train
+    torch.manual_seed(0)
+    logits = 3 * torch.randn(50, 64)
+    targets = torch.randint(0, 64, (50,))
+    whole = logits.clone().requires_grad_()
+    plain = torch.nn.functional.cross_entropy(whole, targets, reduction="none")
+    plain.sum().backward()
+    cols = slice(rank * 32, (rank + 1) * 32)
+    out = []
+    for module in (tp_train, pp_train, hybrid_train):
+        module.LOSS_CHUNK_ROWS = 7
+        mine = logits[:, cols].clone().requires_grad_()
+        losses = module.VocabParallelCrossEntropy.apply(mine, targets, rank * 32, dist.group.WORLD)
+        losses.sum().backward()
+        dloss = (losses - plain).abs().max() / plain.abs().max()  # relative to the largest
+        dgrad = (mine.grad - whole.grad[:, cols]).abs().max() / whole.grad.abs().max()
+        out.append((dloss.item(), dgrad.item()))
+    return out
+
+
+def test_vocab_parallel_cross_entropy_in_chunks_equals_the_plain_form():
+    from conftest import spawn
+    for rank in spawn(_vocab_parallel_losses, 2):
+        for dloss, dgrad in rank:  # tp, pp, hybrid
+            assert dloss <= 1e-6 and dgrad <= 1e-6, rank
+
+
+def loss_peak_bytes(chunked, rows, vocab, chunk_rows=1024):
+    """The most bytes the loss path holds at once beyond its bf16 (rows, vocab) logits, forward and backward
+    (conftest.DeviceMemory counts every tensor an op makes): ours, or the old form, F.cross_entropy of an fp32
+    copy (what a `.float()` before the loss did)."""
+    from conftest import DeviceMemory
+    from common.model import ChunkedCrossEntropy
+    torch.manual_seed(0)
+    logits = torch.randn(rows, vocab, dtype=torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,))
+    with DeviceMemory() as memory:
+        if chunked:
+            loss = ChunkedCrossEntropy.apply(logits, targets, chunk_rows)
+        else:
+            loss = torch.nn.functional.cross_entropy(logits.float(), targets)
+        loss.backward()
+    return memory.peak
+
+
+def test_the_chunked_loss_never_holds_fp32_logits_for_the_whole_batch():
+    """Forward and backward: ours peaks at the bf16 gradient (2 bytes a logit) plus an fp32 chunk or two; the
+    old form at 8 bytes a logit (the fp32 copy and its log-probs in forward; two fp32 gradients in backward)."""
+    rows, vocab, chunk = 512, 2048, 64
+    ours, old = loss_peak_bytes(True, rows, vocab, chunk), loss_peak_bytes(False, rows, vocab, chunk)
+    assert 2 * rows * vocab <= ours <= 2 * rows * vocab + 3 * 4 * chunk * vocab + 64 * rows, ours
+    assert old >= 8 * rows * vocab, old
+
+
+if __name__ == "__main__":  # PYTHONPATH=. python tests/test_model.py: the figures at --preset gpt2's 12 x 1024 rows
+    for chunked in (False, True):
+        peak = loss_peak_bytes(chunked, 12 * 1024, 50304)
+        print(f"{'chunked' if chunked else 'fp32 copy'}: loss peak {peak / 2**30:.2f} GiB beyond the logits")

@@ -389,7 +389,7 @@ def _pipeline_grads(rank, p, cases):
     ref_grads = {n: q.grad for n, q in reference.named_parameters()}
     out = []
     for schedule, m, V, vp, layers in cases:
-        args = SimpleNamespace(activation_checkpointing="none",
+        args = SimpleNamespace(activation_checkpointing="none", compile=False,
                                schedule=schedule, n_microbatches=m, virtual_stages=V, seed=0, grad_accum_steps=1,
                                dtype="float32", vocab_parallel=vp,
                                stage_layers=layers or [CONFIG.n_layer // p // V] * p * V,
@@ -474,12 +474,16 @@ def _check(results, p):
             if schedule != "zb1p":
                 assert abs(r["peak_bytes"] - r["measured_peak_bytes"]) <= 0.02 * r["measured_peak_bytes"], r
             # a vocabulary pass, while it runs, saves h (N tokens x C) for its head, and for the loss's backward its
-            # rows' softmax (N x vocab/p fp32), the targets' local ids (int64) and whether this rank owns them (bool)
+            # rows' logits (N x vocab/p, fp32 here; backward recomputes the softmax from them a chunk at a time), the
+            # global max (fp32), the sums of exp (the first row of a (2, N) fp32 tensor: 8N), the targets' local ids
+            # (int64) and whether this rank owns them (bool)
             N = 16 // m * CONFIG.block_size
-            assert r["vocab_peak"] == (4 * N * C + 4 * N * vocab // p + 9 * N if vp else 0), r["case"]
+            assert r["vocab_peak"] == (4 * N * C + 4 * N * vocab // p + 21 * N if vp else 0), r["case"]
             assert r["issued"] == r["programs"], r["case"]  # every message goes through the program's batches
             if rank == last_rank:
-                assert abs(r["loss"] - r["ref_loss"]) <= 1e-6 and abs(r["eval_loss"] - r["ref_loss"]) <= 1e-6
+                # within 4 units in the last place at 10.8 (9.5e-7 each; 2 measured): the reference's logsumexp
+                # and the vocabulary pass's log of exp-sums added over the stages round differently
+                assert abs(r["loss"] - r["ref_loss"]) <= 4e-6 and abs(r["eval_loss"] - r["ref_loss"]) <= 4e-6
             # the collectives the docstrings state: a vocabulary pass per micro-batch calls one broadcast (h), two
             # all-reduces (max; sum of exp and target logit) and one reduce (dh), evaluation no reduce; summing the
             # tied gradient: one all-reduce of rank 0 with each rank holding rows of its copy
@@ -560,7 +564,7 @@ def _restore(rank, p):
     model_state = GPT(CONFIG, seed=1).state_dict()
     optimizer_state = {n: {"step": torch.tensor(3.0), "exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t)}
                        for n, t in model_state.items() if n != "lm_head.weight"}
-    args = SimpleNamespace(activation_checkpointing="none",
+    args = SimpleNamespace(activation_checkpointing="none", compile=False,
                            schedule="1f1b", n_microbatches=2, virtual_stages=1, seed=0, grad_accum_steps=1,
                            dtype="float32", vocab_parallel=True, stage_layers=[CONFIG.n_layer // p] * p,
                            weight_decay=0.1, learning_rate=1e-3, beta1=0.9, beta2=0.95)
@@ -737,6 +741,8 @@ BAD_STAGES = [
     (["--vocab_parallel", "--schedule", "zb1p"], 2, "--vocab_parallel: not with --schedule zb1p"),
     (["--schedule", "zb1p", "--implementation", "pytorch", "--activation_checkpointing", "full"], 2,
      "--activation_checkpointing: torch's zero-bubble schedule cannot split"),
+    (["--schedule", "zb1p", "--implementation", "pytorch", "--compile"], 2,
+     "--compile: torch's zero-bubble schedules split a block's backward"),
 ]
 
 
@@ -754,6 +760,17 @@ def test_uneven_stage_layers_are_accepted():
     args = parse_args("pp", add_pp_flags, TINY + ["--n_layer", "4"])
     check_pp_args(args, 2)
     assert args.stage_layers == [2, 2]  # the default: an even split
+
+
+def test_compile_default_is_off_where_it_is_refused():
+    """--compile's default (None: on with CUDA) turns off for torch's zero-bubble schedules, which refuse
+    --compile (BAD_STAGES), and stays the device's elsewhere (common.distributed.setup resolves it)."""
+    args = parse_args("pp", add_pp_flags, TINY + ["--schedule", "zb1p", "--implementation", "pytorch"])
+    check_pp_args(args, 2)
+    assert args.compile is False
+    args = parse_args("pp", add_pp_flags, TINY + ["--schedule", "zb1p"])
+    check_pp_args(args, 2)
+    assert args.compile is None
 
 
 BAD_INPUT = [

@@ -391,6 +391,11 @@ BAD = [  # (script, flags, nproc (None: one process), the flag the error must na
     ("pp_train.py", ["--batch_size", "6", "--n_microbatches", "4"], 2, "--batch_size"),
     ("pp_train.py", ["--n_layer", "2"], 4, "--n_layer"),
     ("cp_train.py", ["--dropout", "0.1"], 2, "--dropout"),
+    ("ddp_train.py", ["--compile", "maybe"], None, "--compile"),
+    ("ddp_train.py", ["--implementation", "pytorch", "--bucket_cap_mb", "0.5", "--compile"], None, "--compile"),
+    # torch's selective checkpointing cannot see into a compiled block (README, "torch.compile")
+    ("tp_train.py", ["--implementation", "pytorch", "--activation_checkpointing", "selective", "--compile"], None,
+     "--compile"),
 ]
 
 

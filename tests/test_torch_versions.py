@@ -1,11 +1,12 @@
 """The scripts as our users' torch runs them and this CPU does not (tests/user_torch.py), and the torch floor.
 
-On CUDA, AdamW updates all parameters in one multi-tensor call (its foreach path), which refuses a mix of
-DTensor and Tensor: the TP peer crashed there while every CPU test passed. And torch < 2.13 has no
+On CUDA, AdamW updates all parameters in one multi-tensor call (fused, the scripts' path on every device, or
+foreach, CUDA's default), which refuses a mix of DTensor and Tensor: the TP peer crashed there on foreach while
+every CPU test, then on the per-tensor loop, passed. And torch < 2.13 has no
 all_gather_single or reduce_scatter_single: on the GPU machine's 2.11, fsdp and cp allgather crashed.
 test_parity's AS_USERS_TORCH rows train every script and implementation (cp's pytorch needs CUDA) for 15
 steps with both in force, against the single-process reference (the TP peer with sequence parallelism off,
-on, and in 2D). Here: the TP peer on what those rows leave out (fused AdamW; a resume, whose AdamW state
+on, and in 2D). Here: the TP peer on what those rows leave out (foreach AdamW; a resume, whose AdamW state
 comes back as DTensors), and the one-line refusals below the floor and below what a peer needs.
 """
 import shutil
@@ -30,15 +31,16 @@ def test_parity_runs_every_script_and_implementation_as_users_torch_does():
     assert {(s, i) for s, i, _, _ in AS_USERS_TORCH} == {(s, i) for s, i, _, _ in STRATEGIES}
 
 
-def test_the_tp_peer_on_fused_adamw(shared_run, tmp_path):
+def test_the_tp_peer_on_foreach_adamw(shared_run, tmp_path):
+    # CUDA's default path for an AdamW built without fused=True (common.model.FUSED_ADAMW off)
     result = launch_as_user("tp_train.py", 2, FLAGS + ["--max_iters", "3", "--implementation", "pytorch",
-                                                       "--out_dir", str(tmp_path)], "fused")
+                                                       "--out_dir", str(tmp_path)], "foreach")
     assert min(result.adamw_multi_tensor_steps) >= 3, result.adamw_multi_tensor_steps
     losses = step_losses(tmp_path)
     assert len(losses) == 3 and max(abs(a - b) for a, b in zip(losses, reference(shared_run))) <= TOL
 
 
-def test_the_tp_peer_resumes_on_the_foreach_path(shared_run, tmp_path):
+def test_the_tp_peer_resumes_on_the_fused_path(shared_run, tmp_path):
     # test_reliability's run of 6 steps (its checkpoint at step 6), continued to step 15 as a CUDA user's would
     cut, _ = shared_run("tp_train.py", 2, cut_args("pytorch"))
     shutil.copytree(cut, tmp_path, dirs_exist_ok=True)

@@ -126,7 +126,7 @@ BALANCED = GPTConfig(block_size=16, vocab_size=256, n_layer=4, n_head=4, n_embd=
 
 def _full_state_memory(rank, world_size):
     """full_state after one step on BALANCED, under DeviceMemory; for reference, every full tensor gathered."""
-    args = SimpleNamespace(activation_checkpointing="none",
+    args = SimpleNamespace(activation_checkpointing="none", compile=False,
                            tensor_parallel_size=2, sequence_parallel=False, loss_parallel=True, tp_overlap=False,
                            seed=0, grad_accum_steps=1, dtype="float32", weight_decay=0.1, learning_rate=1e-3,
                            beta1=0.9, beta2=0.95)
@@ -163,7 +163,7 @@ def _model_equals_reference(rank, world_size):
 
 def _strategy(sp):
     """tp_train's TensorParallel on the 2 ranks (TP=2, D=1), as main() builds it."""
-    args = SimpleNamespace(activation_checkpointing="none",
+    args = SimpleNamespace(activation_checkpointing="none", compile=False,
                            tensor_parallel_size=2, sequence_parallel=sp, loss_parallel=True, tp_overlap=False, seed=0,
                            grad_accum_steps=1, dtype="float32")
     return TensorParallel(CONFIG, args, torch.device("cpu"))
@@ -407,7 +407,7 @@ def _dropout_streams(rank, world_size):
     sdpa, result = F.scaled_dot_product_attention, {}
     for impl in ("custom", "pytorch"):
         for sp in (False, True):
-            args = SimpleNamespace(activation_checkpointing="none",
+            args = SimpleNamespace(activation_checkpointing="none", compile=False,
                                    tensor_parallel_size=2, sequence_parallel=sp, loss_parallel=True, tp_overlap=False, seed=0,
                                    grad_accum_steps=1, dtype="float32")
             torch.manual_seed(100 + rank)  # unequal, as resume() leaves them from a checkpoint of another world size

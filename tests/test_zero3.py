@@ -59,11 +59,9 @@ def _backward(model, reducer, fetcher, x, y, accum, world_size, dtype=torch.floa
         reducer.sync_persistent = j == accum - 1
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             _, loss = model(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro])
-        (loss / accum).backward()
+        (loss / (accum * world_size)).backward()  # the reduces' sums are then the mean
         reducer.finish_backward()
         assert not fetcher.fetched, "a fetched tensor was not freed"
-    for p in reducer.owned + reducer.persistent:
-        p.grad.div_(world_size)
 
 
 # ---- partition ---------------------------------------------------------------------------------
@@ -556,13 +554,15 @@ def _stage_step(rank, world_size, implementation, stage, threshold, accum):
 @pytest.fixture(scope="module")
 def one_process_step():
     """One optimizer step of the plain single-process loop on the same 8 rows: its parameters, where they are
-    comparable, and grad norm. AdamW's first step moves an element by lr x g / (|g| + 1e-8): where |g| is within a
-    few eps of 0, the rounding of g's sum (other rows per rank, another order) changes it by up to lr; those
-    elements (a few of the 218k) are left out, the others must agree to 1e-6."""
+    comparable, and grad norm. AdamW's first step moves an element by lr x g / (|g| + eps), eps = 1e-8, which an
+    absolute rounding d of g's sum (other rows per rank, another order; about 1e-8 here, sums of products up to
+    1e-2) changes by lr x eps x d / g^2: up to lr where |g| is near eps, and 1e-6 at |g| = 1.1e-6 (measured, the
+    loss chunked or not). Elements with |g| < 1e-5 (5.6% of the 217k) are left out, where that bound is
+    1e-8; the others must agree to 1e-6."""
     model = GPT(BALANCED, seed=0)
     x, y = _rows(0, 1, BALANCED)
     model(x, y)[1].backward()
-    comparable = {n: p.grad.abs() >= 1e-6 for n, p in model.named_parameters()}
+    comparable = {n: p.grad.abs() >= 1e-5 for n, p in model.named_parameters()}
     norm = clip_grad_norm_(None, [p.grad for p in model.parameters()], 1.0)
     configure_optimizer(model.named_parameters(), 0.1, STAGE_LR, (0.9, 0.95)).step()
     return {n: (p.detach(), comparable[n]) for n, p in model.named_parameters()}, norm.item()

@@ -4,9 +4,9 @@
         python tests/user_torch.py <script> <flags...>              (or as a torchrun/launch() worker)
 
 USER_TORCH_ADAMW: every torch.optim.AdamW (the scripts' own, ShardedAdamW, OwnedAdamW's, the one inside
-ZeroRedundancyOptimizer, every peer's) is built with foreach=True, the path AdamW takes by default on CUDA,
-or fused=True. On CPU AdamW's default is its per-tensor loop, so without this a CPU test never runs the
-multi-tensor kernels (aten._foreach_*, aten._fused_adamw_), which refuse a mix of DTensor and Tensor.
+ZeroRedundancyOptimizer, every peer's) is built with fused=True, the scripts' own path (common.model.FUSED_ADAMW),
+or foreach=True, the path AdamW takes by default on CUDA. Both are multi-tensor kernels (aten._fused_adamw_,
+aten._foreach_*), which refuse a mix of DTensor and Tensor.
 The multi-tensor function is wrapped, to count that it really ran.
 
 USER_TORCH_BEFORE_2_13: the project's own code (the script and common/) sees torch.distributed as torch
