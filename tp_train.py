@@ -156,7 +156,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         local = local.clamp(0, logits.size(-1) - 1)
         picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float()  # (N,)
         chunks = zip(logits.split(LOSS_CHUNK_ROWS), m.split(LOSS_CHUNK_ROWS))
-        sum_exp = torch.cat([(z.float() - m_z.unsqueeze(-1)).exp_().sum(-1) for z, m_z in chunks])
+        # each chunk fp32 by promotion (m is), one chunk at a time: no fp32 copy of the logits
+        sum_exp = torch.cat([(z - m_z.unsqueeze(-1)).exp_().sum(-1) for z, m_z in chunks])
         sums = torch.stack([sum_exp, torch.where(mine, picked - m, 0.0)])  # (2, N)
         dist.all_reduce(sums, group=group)  # 2N numbers: sums of exp, the targets' logits
         ctx.save_for_backward(logits, m, sums[0], local, mine)
@@ -168,7 +169,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for start in range(0, logits.size(0), LOSS_CHUNK_ROWS):
             rows = slice(start, start + LOSS_CHUNK_ROWS)
-            softmax = (logits[rows].float() - m[rows, None]).exp_().div_(sum_exp[rows, None])
+            softmax = (logits[rows] - m[rows, None]).exp_().div_(sum_exp[rows, None])  # fp32
             softmax.scatter_add_(-1, local[rows, None], -mine[rows, None].float())
             grad_logits[rows] = softmax.mul_(grad[rows, None])
         return grad_logits, None, None, None

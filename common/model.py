@@ -174,7 +174,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         scale = grad / logits.size(0)
         for start in range(0, logits.size(0), ctx.rows):
             end = min(start + ctx.rows, logits.size(0))
-            softmax = (logits[start:end].float() - lse[start:end, None]).exp_()  # (rows, vocab)
+            # fp32 by promotion (lse is): one fp32 chunk, with no fp32 copy of the logits first
+            softmax = (logits[start:end] - lse[start:end, None]).exp_()  # (rows, vocab)
             softmax[torch.arange(end - start), targets[start:end]] -= 1.0
             grad_logits[start:end] = softmax.mul_(scale)
         return grad_logits, None, None
