@@ -204,6 +204,11 @@ def compile_forward(modules, enabled, eager=()):
     traced: the graph breaks at each call, and the compute between them is compiled."""
     if not enabled:
         return
+    # Random ops (dropout) through aten, on the generators eager uses, not inductor's own stream:
+    # the strategies choose those generators (TP's shared stream and each rank's own, restored by
+    # a checkpoint), and a compiled run then draws the masks an eager one draws.
+    import torch._inductor.config  # only when compiling: its import costs start-up time
+    torch._inductor.config.fallback_random = True
     for module in modules:
         for path in eager:
             owner, _, method = path.rpartition(".")
