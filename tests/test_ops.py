@@ -13,12 +13,14 @@ import glob
 import importlib
 import json
 import os
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import common.distributed
+import common.metrics
 from conftest import TINY
 from common.data import get_batch
 from common.metrics import Profiler
@@ -76,6 +78,42 @@ def plain_loop(out_dir):
     return ops_in_recorded_step(out_dir)
 
 
+# The calls that make the host wait for the device: a `.item()` inside forward/backward, the clip or the optimizer
+# step would stall CUDA's queue every step.
+SYNCS = [(torch.Tensor, "item"), (torch.Tensor, "cpu"), (torch.Tensor, "tolist"), (torch.Tensor, "numpy"),
+         (torch.Tensor, "__bool__"), (torch.Tensor, "__float__"), (torch.Tensor, "__int__"),
+         (torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize")]
+
+
+@contextmanager
+def host_syncs():
+    """Yields `steps`: after the run, the sorted names of the syncing calls between each two steps' log lines
+    (Metrics.step), that is in each steady step but the first."""
+    calls, marks, steps = [], [], []
+    originals = [(owner, attr, getattr(owner, attr)) for owner, attr in SYNCS]
+    log_step = common.metrics.Metrics.step
+
+    def counted(attr, original):
+        def call(*args, **kwargs):
+            calls.append(attr)
+            return original(*args, **kwargs)
+        return call
+
+    def marked(self, *args, **kwargs):
+        marks.append(len(calls))
+        return log_step(self, *args, **kwargs)
+    try:
+        for owner, attr, original in originals:
+            setattr(owner, attr, counted(attr, original))
+        common.metrics.Metrics.step = marked
+        yield steps
+    finally:
+        for owner, attr, original in originals:
+            setattr(owner, attr, original)
+        common.metrics.Metrics.step = log_step
+    steps.extend(sorted(calls[a:b]) for a, b in zip(marks, marks[1:]))
+
+
 @pytest.fixture(scope="module")
 def in_process(tmp_path_factory):
     """Runs a script's main() here; after the module, the one-rank group is destroyed (common.distributed.teardown)
@@ -89,8 +127,9 @@ def in_process(tmp_path_factory):
         out_dir = tmp_path_factory.mktemp("ops")
         argv = TINY + flags + ["--implementation", "custom", "--profile", "--max_iters", str(STEPS),
                                "--out_dir", str(out_dir)]
-        importlib.import_module(module).main(argv)
-        return ops_in_recorded_step(out_dir)
+        with host_syncs() as syncs:
+            importlib.import_module(module).main(argv)
+        return ops_in_recorded_step(out_dir), syncs
     yield run
     common.distributed.keep_freed_memory = keep_freed_memory
     common.distributed.teardown()
@@ -103,7 +142,9 @@ def plain_ops(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,module,flags,limit", RUNS, ids=[run[0] for run in RUNS])
-def test_ops_per_step_near_the_plain_loop(name, module, flags, limit, in_process, plain_ops):
-    ops = in_process(module, flags)
+def test_ops_per_step_near_the_plain_loop_and_one_host_sync(name, module, flags, limit, in_process, plain_ops):
+    """Also, in the same runs: one host sync a step, the log line's (the loss and the norm in one .tolist())."""
+    ops, syncs = in_process(module, flags)
+    assert len(syncs) == STEPS - 1 and all(step == ["tolist"] for step in syncs), (name, syncs)
     print(f"{name}: {ops} aten ops a step, plain loop {plain_ops}: {ops / plain_ops:.3f}x (limit {limit}x)")
     assert ops <= limit * plain_ops, f"{name}: {ops} ops a step, {ops / plain_ops:.3f}x the plain loop's {plain_ops}"

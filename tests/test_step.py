@@ -1,16 +1,11 @@
-"""The step's host side: the batch is ready before the step needs it (common.data.Batches), and a
-training step syncs the host with the device once, for the log line."""
-import importlib
-import tempfile
-
+"""The step's batch is ready before the step needs it (common.data.Batches). That a training step syncs the host
+with the device once, for the log line, is checked in tests/test_ops.py's runs."""
 import pytest
 import torch
 
 from common.config import parse_args
 from common.data import Batches, get_batch
-from conftest import TINY, spawn
-
-SCRIPTS = ["ddp", "fsdp", "zero3", "tp", "pp", "cp", "hybrid"]
+from conftest import TINY
 
 
 def _args(max_iters=6):
@@ -84,51 +79,3 @@ def test_batches_on_cuda_pin_copy_non_blocking_and_never_overwrite_a_buffer_in_f
     for step, (_, seen) in enumerate(copies):  # what each copy read: that step's batch, unchanged
         want_x, want_y = get_batch("train", step, args.batch_size, args.block_size, args.seed)
         assert torch.equal(seen[0], want_x[rows]) and torch.equal(seen[1], want_y[rows])
-
-
-SYNCS = [(torch.Tensor, "item"), (torch.Tensor, "cpu"), (torch.Tensor, "tolist"), (torch.Tensor, "numpy"),
-         (torch.Tensor, "__bool__"), (torch.Tensor, "__float__"), (torch.Tensor, "__int__"),
-         (torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize")]
-
-
-def _host_syncs_per_step(rank, world_size, out):
-    """Each script at world size 1 (its defaults: --gradient accumulation, clipping on): the calls that make
-    the host wait for the device, counted between two steps' log lines (steady state, no eval or checkpoint)."""
-    import common.metrics
-    counts = {}
-    for name in SCRIPTS:
-        module = importlib.import_module(f"{name}_train")
-        calls, marks = [], []
-        originals = [(owner, attr, getattr(owner, attr)) for owner, attr in SYNCS]
-
-        def counting(owner, attr, original):
-            def call(*args, **kwargs):
-                calls.append(attr)
-                return original(*args, **kwargs)
-            return call
-        step = common.metrics.Metrics.step
-
-        def marked(self, *args, **kwargs):
-            marks.append(len(calls))
-            return step(self, *args, **kwargs)
-        try:
-            for owner, attr, original in originals:
-                setattr(owner, attr, counting(owner, attr, original))
-            common.metrics.Metrics.step = marked
-            module.main(TINY + ["--max_iters", "5", "--grad_accum_steps", "2", "--grad_clip", "1.0",
-                                "--out_dir", f"{out}/{name}"])
-        finally:
-            for owner, attr, original in originals:
-                setattr(owner, attr, original)
-            common.metrics.Metrics.step = step
-        counts[name] = [sorted(calls[a:b]) for a, b in zip(marks[1:], marks[2:])]
-    return counts
-
-
-def test_a_training_step_syncs_the_host_once():
-    """One host synchronisation per step in every hand-written script, the log line's: none inside
-    forward/backward, the clip or the optimizer step (a `.item()` there would stall CUDA's queue each step)."""
-    with tempfile.TemporaryDirectory() as out:
-        [counts] = spawn(_host_syncs_per_step, 1, out)
-    for name in SCRIPTS:
-        assert counts[name] and all(step == ["tolist"] for step in counts[name]), (name, counts[name])
