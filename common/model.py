@@ -154,18 +154,21 @@ LOSS_CHUNK_ROWS = 1024  # rows whose fp32 softmax exists at once: 1024 x 50304 x
 
 class ChunkedCrossEntropy(torch.autograd.Function):
     """The mean cross-entropy of (N, vocab) logits in their own dtype (bf16 under autocast), in
-    chunks of `rows`: each chunk's log-sum-exp in fp32, so neither fp32 logits nor fp32 log-probs
-    exist for the whole batch (F.cross_entropy keeps its fp32 log-softmax for backward, 4 bytes a
-    logit, and its backward writes another fp32 gradient). Saves the logits and N fp32 log-sum-exps;
-    backward recomputes each chunk's softmax and writes d loss / d z = (softmax - onehot) / N in the
-    logits' dtype."""
+    chunks of `rows`, so that neither fp32 logits nor fp32 log-probs exist for the whole batch
+    (F.cross_entropy of a `.float()` copy keeps 4 bytes a logit for backward and writes 4 more
+    there). Forward: each chunk's per-row losses by F.cross_entropy (its fused log-softmax, in fp32),
+    and log-sum-exp = loss + z_target, N fp32 numbers, saved with the logits. Backward: each chunk's
+    d loss / d z = (exp(z - lse) - onehot) / N, written into the gradient (fp32 logits) or through
+    an fp32 chunk cast to the logits' dtype (bf16). Faster than F.cross_entropy on CPU too: 199
+    against 228 ms for 1,024 x 50,304 fp32 logits, forward and backward (2 cores)."""
     @staticmethod
     def forward(ctx, logits, targets, rows):
-        lse = torch.cat([z.float().logsumexp(-1) for z in logits.split(rows)])  # (N,) fp32
-        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).float()  # z_t
+        losses = torch.cat([F.cross_entropy(z.float(), t, reduction="none")
+                            for z, t in zip(logits.split(rows), targets.split(rows))])  # (N,) fp32
+        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).float()  # z_target
         ctx.rows = rows
-        ctx.save_for_backward(logits, targets, lse)
-        return (lse - picked).mean()
+        ctx.save_for_backward(logits, targets, losses + picked)  # lse: loss = lse - z_target
+        return losses.mean()
 
     @staticmethod
     def backward(ctx, grad):
@@ -173,11 +176,15 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         scale = grad / logits.size(0)
         for start in range(0, logits.size(0), ctx.rows):
-            end = min(start + ctx.rows, logits.size(0))
-            # fp32 by promotion (lse is): one fp32 chunk, with no fp32 copy of the logits first
-            softmax = (logits[start:end] - lse[start:end, None]).exp_()  # (rows, vocab)
-            softmax[torch.arange(end - start), targets[start:end]] -= 1.0
-            grad_logits[start:end] = softmax.mul_(scale)
+            z, t, z_lse, out = (a[start:start + ctx.rows] for a in (logits, targets, lse, grad_logits))
+            if out.dtype == torch.float32:  # the softmax straight into the gradient
+                softmax = torch.sub(z, z_lse[:, None], out=out).exp_()
+            else:  # fp32 by promotion (lse is): one fp32 chunk, cast on the copy below
+                softmax = (z - z_lse[:, None]).exp_()
+            softmax[torch.arange(len(t)), t] -= 1.0
+            softmax.mul_(scale)
+            if softmax is not out:
+                out.copy_(softmax)
         return grad_logits, None, None
 
 
