@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.checkpoint import model_state_on_cpu, set_adamw_state
 from common.distributed import autocast, clip_grad_norm_
-from common.model import GPT, compile_forward, configure_optimizer, init_tensor, num_params
+from common.model import (FUSED_ADAMW, GPT, compile_forward, configure_optimizer, init_tensor,
+                          num_params)
 from common.metrics import activations
 from common.recompute import torch_checkpoint_blocks
 
@@ -121,7 +122,7 @@ class TorchZeRO1:
         betas = (args.beta1, args.beta2)
         contract = configure_optimizer(named, args.weight_decay, args.learning_rate, betas)
         optimizer = ZeroRedundancyOptimizer(contract.param_groups, torch.optim.AdamW,
-                                            parameters_as_bucket_view=True)
+                                            parameters_as_bucket_view=True, fused=FUSED_ADAMW)
         optimizer.state = optimizer.optim.state  # its own stays empty: the local AdamW's is ours
         self.owned = [p for group in optimizer.optim.param_groups for p in group["params"]]
         names = {p: n for n, p in named}
