@@ -260,13 +260,13 @@ AC_ROWS = [
     ("fsdp_train.py", 2, [(impl, d, []) for impl in BOTH for d in (0.0, 0.1)]),
     ("zero3_train.py", 2, [(impl, d, []) for impl in BOTH for d in (0.0, 0.1)]),
     ("tp_train.py", 2, [(impl, d, []) for impl in BOTH for d in (0.0, 0.1)]
-     + [("custom", 0.1, ["--compile", "true"])]),  # compiled dropout: the shared stream's masks (below)
+     + [("custom", 0.1, ["--sequence_parallel"]),  # and compiled (below): every dropout on the rank's own stream
+        ("custom", 0.1, ["--sequence_parallel", "--compile", "true"])]),
     ("pp_train.py", 2, [(impl, d, ["--schedule", "1f1b"]) for impl in BOTH for d in (0.0, 0.1)]
      + [("custom", 0.1, ["--schedule", "zbv", "--n_layer", "4"])]),  # recomputed inside B, weight grads at W
     ("cp_train.py", 2, [("custom", 0.0, []), ("custom", 0.0, ["--cp_mode", "ulysses"]),
                         ("custom", 0.1, ["--cp_mode", "ulysses"])]),
-    ("tp_train.py", 4, [(impl, 0.1, ["--tensor_parallel_size", "2", "--sequence_parallel"]) for impl in BOTH]
-     + [("custom", 0.1, ["--tensor_parallel_size", "2", "--sequence_parallel", "--compile", "true"])]),  # own streams
+    ("tp_train.py", 4, [(impl, 0.1, ["--tensor_parallel_size", "2", "--sequence_parallel"]) for impl in BOTH]),
     ("pp_train.py", 4, [(impl, 0.1, ["--schedule", "interleaved", "--n_layer", "8"]) for impl in BOTH]),
     # hybrid: the ring recomputed inside TP's heads with SP, and at a pipeline stage's B
     ("hybrid_train.py", 4, [("custom", 0.0, ["--tensor_parallel_size", "2", "--context_parallel_size", "2",
