@@ -160,8 +160,9 @@ class DDP:
         # --compile: each block's forward. Not the whole model: its backward would be one graph,
         # after which every gradient, and so every bucket, is ready at once, with no backward left
         # to hide the all-reduces behind; a block's backward is its own graph, and a bucket full
-        # after it leaves while the earlier blocks compute.
+        # after it leaves while the earlier blocks compute. The head (ln_f, lm_head, loss) too.
         compile_forward(self.model.transformer.h, args.compile)
+        compile_forward([self.model], args.compile, method="head")  # the loss fused, no buckets
         checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         self.buckets = GradientBuckets(self.model, args.bucket_cap_mb)
 

@@ -259,8 +259,10 @@ class FSDP:
                                        compute_dtype, args.reshard_after_forward, args.prefetch)
         self.units = self.sharded.units
         # --compile: each block's forward; the gather, reshard and backward-gather hooks around
-        # it stay eager, and the root (its hooks wrap GPT.forward) with them
+        # it stay eager, and the root (its hooks wrap GPT.forward) with them; and the head (ln_f,
+        # lm_head, the loss fused), inside the root's gather
         compile_forward(self.model.transformer.h, args.compile)
+        compile_forward([self.model], args.compile, method="head")
         checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         self.sharded_state = None  # --resume_sharded: this rank's own file, a dict per unit
         if args.resume_sharded:

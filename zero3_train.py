@@ -258,8 +258,11 @@ class ZeRO1:
         owner = self.assign_owners(shapes, args.persistence_threshold)  # {name: rank or None}
         self.model, self.masters = self.build_model(config, owner, state)
         # --compile: each block's forward, as ddp (one graph for the whole model would leave every
-        # reduce to its end); at stage 3, ParamFetcher's module hooks around each block stay eager
+        # reduce to its end); at stage 3, ParamFetcher's module hooks around each block stay eager.
+        # Stages 1-2: the head too (ln_f, lm_head, the loss fused); at stage 3 its modules have
+        # fetch hooks, which a compiled head would trace
         compile_forward(self.model.transformer.h, args.compile)
+        compile_forward([self.model], args.compile and args.stage < 3, method="head")
         checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         named = list(self.model.named_parameters())
         self.owner = {p: owner[n] for n, p in named}  # parameter -> its rank, None: persistent

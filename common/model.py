@@ -139,8 +139,12 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
-        x = self.transformer.ln_f(x)
-        logits = self.lm_head(x)
+        return self.head(x, targets)
+
+    def head(self, x, targets=None):
+        """The final LayerNorm, the output layer and the loss: one region for --compile, which
+        fuses the loss into the kernels around it (cross_entropy)."""
+        logits = self.lm_head(self.transformer.ln_f(x))
         loss = None
         if targets is not None:
             loss = cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))  # (B*T, vocab)
@@ -152,42 +156,59 @@ class GPT(nn.Module):
 LOSS_CHUNK_ROWS = 1024  # rows whose fp32 softmax exists at once: 1024 x 50304 x 4 bytes = 206 MB
 
 
+RECOMPUTE_LOG_SOFTMAX = None  # the loss's backward: True, False, or None: True on CUDA (below)
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """The mean cross-entropy of (N, vocab) logits in their own dtype (bf16 under autocast), in
     chunks of `rows`, so that neither fp32 logits nor fp32 log-probs exist for the whole batch
     (F.cross_entropy of a `.float()` copy keeps 4 bytes a logit for backward and writes 4 more
-    there). Forward: each chunk's per-row losses by F.cross_entropy (its fused log-softmax, fp32),
-    and log-sum-exp = loss + z_target, N fp32 numbers, saved with the logits. Backward: each chunk's
-    d loss / d z = (exp(z - lse) - onehot) / N, written into the gradient (fp32 logits) or through
-    an fp32 chunk cast to the logits' dtype (bf16). Faster than F.cross_entropy for fp32 logits on
-    CPU too (README). Targets of -1 are ignored, as nanoGPT's ignore_index=-1: the mean is over
-    the other rows."""
+    there; under autocast, without the copy, it keeps the fp32 log-probs). Forward: each chunk's
+    log-softmax in fp32 (on CUDA torch's kernel reads bf16 and writes fp32 in one pass: no fp32
+    copy of the logits) and the targets' entries; saved: the logits and lse = loss + z_target.
+    Backward, a chunk at a time, d loss / d z = s (softmax - onehot), s = upstream / N (0 on an
+    ignored row), by one of two routes:
+    - CUDA (RECOMPUTE_LOG_SOFTMAX): the chunk's log-softmax again and its gradient by autograd,
+      for d loss / d logp = -s at the target: torch's fused kernels, which read bf16 and write
+      bf16 with fp32 math (elementwise fp32 passes over the chunk took 3x their time on an H100);
+    - CPU: exp(z - lse) from the saved lse, in a few elementwise passes (2x faster there).
+    Targets of -1 are ignored, as nanoGPT's ignore_index=-1: the mean is over the other rows."""
     @staticmethod
     def forward(ctx, logits, targets, rows):
-        losses = torch.cat([F.cross_entropy(z.float(), t, reduction="none", ignore_index=-1)
-                            for z, t in zip(logits.split(rows), targets.split(rows))])  # (N,) fp32
         valid = targets != -1
         count = valid.sum()  # a tensor: no host sync
-        targets = targets.clamp(min=0)  # an ignored row's gradient is scaled by 0 below
-        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).float()  # z_target
+        targets = targets.clamp(min=0)  # an ignored row: any column, its loss and gradient zeroed
+        losses = torch.cat([-F.log_softmax(z, dim=-1, dtype=torch.float32).gather(-1, t[:, None])
+                            for z, t in zip(logits.split(rows), targets.split(rows))]).squeeze(-1)
+        picked = logits.gather(-1, targets[:, None]).squeeze(-1).float()  # z_target
         ctx.rows = rows
         ctx.save_for_backward(logits, targets, losses + picked, valid / count)  # lse = loss + z_t
-        return losses.sum() / count
+        return torch.where(valid, losses, 0.0).sum() / count
 
     @staticmethod
     def backward(ctx, grad):
         logits, targets, lse, weight = ctx.saved_tensors  # weight: 1/count, 0 where ignored
         grad_logits = torch.empty_like(logits)
-        scale = grad * weight  # (N,)
+        scale = grad * weight  # (N,) d loss / d loss_n
+        recompute = RECOMPUTE_LOG_SOFTMAX
+        if recompute is None:
+            recompute = logits.is_cuda
         for start in range(0, logits.size(0), ctx.rows):
             rows = slice(start, start + ctx.rows)
-            z, t, z_lse, out = logits[rows], targets[rows], lse[rows], grad_logits[rows]
+            z, t, s, out = logits[rows], targets[rows, None], scale[rows, None], grad_logits[rows]
+            if recompute:
+                with torch.enable_grad():  # one fp32 chunk of log-probs at a time
+                    z = z.detach().requires_grad_()
+                    logp = F.log_softmax(z, dim=-1, dtype=torch.float32)
+                d_logp = torch.zeros_like(logp).scatter_(-1, t, -s)  # d loss / d logp
+                out.copy_(torch.autograd.grad(logp, z, d_logp)[0])  # in the logits' dtype
+                continue
             if out.dtype == torch.float32:  # the softmax straight into the gradient
-                softmax = torch.sub(z, z_lse[:, None], out=out).exp_()
+                softmax = torch.sub(z, lse[rows, None], out=out).exp_()
             else:  # fp32 by promotion (lse is): one fp32 chunk, cast on the copy below
-                softmax = (z - z_lse[:, None]).exp_()
-            softmax[torch.arange(len(t)), t] -= 1.0
-            softmax.mul_(scale[rows, None])
+                softmax = (z - lse[rows, None]).exp_()
+            softmax.scatter_add_(-1, t, torch.full_like(t, -1.0, dtype=softmax.dtype))
+            softmax.mul_(s)
             if softmax is not out:
                 out.copy_(softmax)
         return grad_logits, None, None
@@ -196,9 +217,15 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 def cross_entropy(logits, targets):
     """The mean cross-entropy of (N, vocab) logits against (N,) targets: ChunkedCrossEntropy. A
     DTensor's (torch's TP peer, sharded by vocabulary) is torch's loss_parallel(), on an fp32 copy:
-    its log-softmax returns the logits' dtype, bf16 under autocast, where ours sums in fp32."""
+    its log-softmax returns the logits' dtype, bf16 under autocast, where ours sums in fp32. Inside
+    a compiled region (--compile, GPT.head), the plain form: inductor fuses it into reductions over
+    the logits as they are read (no fp32 log-probs) and a backward that recomputes the softmax,
+    which reads the logits once and writes their gradient once, where the chunks pass over them
+    five times; a Python loop of chunks would only be unrolled there."""
     if type(logits) is not torch.Tensor:  # a DTensor
         return F.cross_entropy(logits.float(), targets, ignore_index=-1)
+    if torch.compiler.is_compiling():
+        return F.cross_entropy(logits, targets, ignore_index=-1)
     return ChunkedCrossEntropy.apply(logits, targets, LOSS_CHUNK_ROWS)
 
 
@@ -206,14 +233,15 @@ def num_params(model):
     return sum(p.numel() for p in model.parameters())  # the tied wte/lm_head counts once
 
 
-def compile_forward(modules, enabled, eager=()):
+def compile_forward(modules, enabled, eager=(), method="forward"):
     """--compile: each module's forward() through torch.compile, in place (its __call__ with the
     module hooks, where strategies gather, fetch and free, stays eager). Parameter names do not
     change: torch.compile(module) would wrap it and add `_orig_mod.` to every name, which no
     checkpoint, optimizer state or TP plan knows. Blocks share one graph (one per shape:
     dynamic=False, as a micro-batch and an evaluation batch keep their shapes). `eager`: methods
     inside each module, by path (e.g. "attn.attend"), that run uncompiled, their collectives not
-    traced: the graph breaks at each call, and the compute between them is compiled."""
+    traced: the graph breaks at each call, and the compute between them is compiled. `method`:
+    another method to compile in place of forward (GPT.head)."""
     if not enabled:
         return
     # Random ops (dropout) through aten, on the generators eager uses, not inductor's own stream:
@@ -223,10 +251,10 @@ def compile_forward(modules, enabled, eager=()):
     torch._inductor.config.fallback_random = True
     for module in modules:
         for path in eager:
-            owner, _, method = path.rpartition(".")
+            owner, _, name = path.rpartition(".")
             owner = module.get_submodule(owner)
-            setattr(owner, method, torch.compiler.disable(getattr(owner, method)))
-        module.forward = torch.compile(module.forward, dynamic=False)
+            setattr(owner, name, torch.compiler.disable(getattr(owner, name)))
+        setattr(module, method, torch.compile(getattr(module, method), dynamic=False))
 
 
 BLOCK_LINEARS = ("attn.c_attn.forward", "attn.c_proj.forward", "mlp.c_fc.forward",

@@ -182,11 +182,14 @@ def test_clip_is_the_pinned_norm_in_a_few_kernels(monkeypatch):
     assert all(torch.equal(g, m) for g, m in zip(grads, measured))
 
 
+@pytest.mark.parametrize("recompute", [False, True])  # backward: CPU's route, CUDA's (fused log-softmax kernels)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_cross_entropy_equals_the_plain_form(dtype):
+def test_chunked_cross_entropy_equals_the_plain_form(dtype, recompute, monkeypatch):
     """common.model.cross_entropy, chunk by chunk, against F.cross_entropy on fp32 copies: the loss and the
-    gradient (in the logits' dtype), with chunks that do not divide the rows."""
+    gradient (in the logits' dtype), with chunks that do not divide the rows, by both backward routes."""
+    import common.model
     from common.model import ChunkedCrossEntropy
+    monkeypatch.setattr(common.model, "RECOMPUTE_LOG_SOFTMAX", recompute)
     torch.manual_seed(0)
     logits = (3 * torch.randn(300, 1000)).to(dtype).requires_grad_()
     targets = torch.randint(0, 1000, (300,))
@@ -204,11 +207,17 @@ def test_chunked_cross_entropy_equals_the_plain_form(dtype):
     rel = 1e-5 if dtype == torch.float32 else 2 ** -7
     close = (grad.float() - reference).abs() <= rel * reference.abs() + 1e-6 * reference.abs().max()
     assert close.all()
+    logits.grad = None  # a negative upstream gradient (a negated loss)
+    (-3 * ChunkedCrossEntropy.apply(logits, targets, 64)).backward()
+    reference = -3 * reference
+    close = (logits.grad.float() - reference).abs() <= rel * reference.abs() + 1e-6 * reference.abs().max()
+    assert close.all()
 
 
 def _vocab_parallel_losses(rank, world_size):
     """Each script's VocabParallelCrossEntropy on this rank's vocabulary slice, in chunks of 7 rows, against
-    F.cross_entropy of the whole logits: per-token losses and this slice's gradient."""
+    F.cross_entropy of the whole logits: per-token losses and this slice's gradient, under upstream gradients of
+    either sign and zero (a weighted sum of the losses)."""
     import torch.distributed as dist
     import hybrid_train
     import pp_train
@@ -216,16 +225,18 @@ def _vocab_parallel_losses(rank, world_size):
     torch.manual_seed(0)
     logits = 3 * torch.randn(50, 64)
     targets = torch.randint(0, 64, (50,))
+    weights = torch.randn(50)
+    weights[::9] = 0.0
     whole = logits.clone().requires_grad_()
     plain = torch.nn.functional.cross_entropy(whole, targets, reduction="none")
-    plain.sum().backward()
+    (plain * weights).sum().backward()
     cols = slice(rank * 32, (rank + 1) * 32)
     out = []
     for module in (tp_train, pp_train, hybrid_train):
         module.LOSS_CHUNK_ROWS = 7
         mine = logits[:, cols].clone().requires_grad_()
         losses = module.VocabParallelCrossEntropy.apply(mine, targets, rank * 32, dist.group.WORLD)
-        losses.sum().backward()
+        (losses * weights).sum().backward()
         dloss = (losses - plain).abs().max() / plain.abs().max()  # relative to the largest
         dgrad = (mine.grad - whole.grad[:, cols]).abs().max() / whole.grad.abs().max()
         out.append((dloss.item(), dgrad.item()))
@@ -257,9 +268,12 @@ def loss_peak_bytes(chunked, rows, vocab, chunk_rows=1024):
     return memory.peak
 
 
-def test_the_chunked_loss_never_holds_fp32_logits_for_the_whole_batch():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_chunked_loss_never_holds_fp32_logits_for_the_whole_batch(recompute, monkeypatch):
     """Forward and backward: ours peaks at the bf16 gradient (2 bytes a logit) plus an fp32 chunk or two; the
     old form at 8 bytes a logit (the fp32 copy and its log-probs in forward; two fp32 gradients in backward)."""
+    import common.model
+    monkeypatch.setattr(common.model, "RECOMPUTE_LOG_SOFTMAX", recompute)
     rows, vocab, chunk = 512, 2048, 64
     ours, old = loss_peak_bytes(True, rows, vocab, chunk), loss_peak_bytes(False, rows, vocab, chunk)
     assert 2 * rows * vocab <= ours <= 2 * rows * vocab + 3 * 4 * chunk * vocab + 64 * rows, ours
@@ -267,6 +281,9 @@ def test_the_chunked_loss_never_holds_fp32_logits_for_the_whole_batch():
 
 
 if __name__ == "__main__":  # PYTHONPATH=. python tests/test_model.py: the figures at --preset gpt2's 12 x 1024 rows
-    for chunked in (False, True):
+    import common.model
+    for name, chunked, recompute in (("fp32 copy", False, None), ("chunked, CPU's backward", True, False),
+                                     ("chunked, CUDA's backward", True, True)):
+        common.model.RECOMPUTE_LOG_SOFTMAX = recompute
         peak = loss_peak_bytes(chunked, 12 * 1024, 50304)
-        print(f"{'chunked' if chunked else 'fp32 copy'}: loss peak {peak / 2**30:.2f} GiB beyond the logits")
+        print(f"{name}: loss peak {peak / 2**30:.2f} GiB beyond the logits")
