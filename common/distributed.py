@@ -370,15 +370,15 @@ def clip_grad_norm_(sharded, replicated, max_norm, group=None):
 
 
 def sum_of_squares(grads, device):
-    """The sum over tensors of ||g||^2, an fp32 scalar: each tensor's norm from one foreach kernel
-    (torch.nn.utils.clip_grad_norm_'s), squared. CUDA's kernel sums in a tree; the CPU's sums
-    serially, 6e-5 off in fp32 over the small preset's 3.2M-number wte (measured), so there it
-    accumulates in fp64."""
+    """The sum over tensors of ||g||^2, an fp32 scalar. CUDA: each tensor's norm from one foreach
+    kernel (torch.nn.utils.clip_grad_norm_'s), squared; it sums in a tree. CPU: that kernel sums
+    serially, 1e-4 off in fp32 over a 3.3M-number wte (measured), so there each tensor's
+    g.square().sum(), whose sum is pairwise (5e-8 off; 3x faster than the foreach norm in fp64)."""
     if not grads:
         return torch.zeros((), device=device)
-    accumulate = torch.float64 if device.type == "cpu" else None
-    norms = torch._foreach_norm(grads, 2, dtype=accumulate)
-    return torch.stack(norms).square().sum().float()
+    if device.type == "cpu":
+        return torch.stack([g.square().sum() for g in grads]).sum()
+    return torch.stack(torch._foreach_norm(grads, 2)).square().sum()
 
 
 def autocast(args, device):
