@@ -218,10 +218,9 @@ def cross_entropy(logits, targets):
     """The mean cross-entropy of (N, vocab) logits against (N,) targets: ChunkedCrossEntropy. A
     DTensor's (torch's TP peer, sharded by vocabulary) is torch's loss_parallel(), on an fp32 copy:
     its log-softmax returns the logits' dtype, bf16 under autocast, where ours sums in fp32. Inside
-    a compiled region (--compile, GPT.head), the plain form: inductor fuses it into reductions over
-    the logits as they are read (no fp32 log-probs) and a backward that recomputes the softmax,
-    which reads the logits once and writes their gradient once, where the chunks pass over them
-    five times; a Python loop of chunks would only be unrolled there."""
+    a compiled region (--compile, GPT.head), the plain form, which inductor fuses with the kernels
+    around it (a Python loop of chunks would only be unrolled): on an H100 it took ddp compiled
+    from 0.69 to 0.97 of nanoGPT's tokens/s, and its peak memory up 0.8 GiB (README)."""
     if type(logits) is not torch.Tensor:  # a DTensor
         return F.cross_entropy(logits.float(), targets, ignore_index=-1)
     if torch.compiler.is_compiling():
