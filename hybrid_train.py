@@ -240,8 +240,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         logits, m, sum_exp, local, mine = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         # g (softmax - onehot), g a row's upstream gradient: |g| softmax = exp(z - m - log(sum_exp)
-        # + log|g|), one exp per chunk written straight in the logits' dtype (2 passes, not 5)
-        shift = m + sum_exp.log() - grad.abs().log()  # (N,) fp32; g = 0: -inf, a row of zeros
+        # + log|g|), one exp per chunk written straight in the logits' dtype (3 passes, not 5)
+        shift = m + sum_exp.log() - grad.abs().log()  # (N,) fp32; g = 0: +inf, a row of zeros
         for start in range(0, logits.size(0), LOSS_CHUNK_ROWS):
             rows = slice(start, start + LOSS_CHUNK_ROWS)
             out = grad_logits[rows]
