@@ -4,6 +4,7 @@ import json
 import os
 import pickle
 import re
+import select
 import shutil
 import signal
 import socket
@@ -65,7 +66,9 @@ def launch(script, nproc, args, timeout=300, check_teardown=True, torchrun=True,
     gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT with a free
     port, OMP_NUM_THREADS=1): the same code path in the script (env:// rendezvous, rank 0 hosts the
     store), without torchrun's own start-up, about 2 s a launch here. The numeric tests (parity,
-    resume) use it; everything about how a job starts, fails or restarts keeps torchrun.
+    resume) use it; everything about how a job starts, fails or restarts keeps torchrun. Each
+    such `python script` (and nproc=None's) is a fork of tests/zygote.py (ForkServer), which has imported
+    torch: a fresh interpreter spends about 2.2 s of CPU on that, per rank and launch.
     Every launch but old_names=True (launch_as_user's) checks that no collective was called by a name torch
     2.13 deprecates (common.distributed picks the new one where it exists)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -87,8 +90,11 @@ def launch(script, nproc, args, timeout=300, check_teardown=True, torchrun=True,
             for r, (cmd, rank_env) in enumerate(ranks):
                 out, err = open(os.path.join(logs, f"{r}.out"), "w+"), open(os.path.join(logs, f"{r}.err"), "w+")
                 files.append((out, err))
-                procs.append(subprocess.Popen(cmd + list(args), cwd=REPO, env=rank_env, stdout=out, stderr=err,
-                                              text=True, start_new_session=True))
+                if cmd[1:] == [script]:  # python <script>: a fork of a process that has imported torch
+                    procs.append(fork_server(rank_env).start(cmd[1:] + list(args), rank_env, out.name, err.name))
+                else:
+                    procs.append(subprocess.Popen(cmd + list(args), cwd=REPO, env=rank_env, stdout=out,
+                                                  stderr=err, text=True, start_new_session=True))
             deadline = time.time() + timeout
             # As torchrun does, the first rank to fail ends the job (the finally below kills the rest).
             while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
@@ -100,8 +106,9 @@ def launch(script, nproc, args, timeout=300, check_teardown=True, torchrun=True,
             for proc in procs:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                except ProcessLookupError:  # ended; or a fork not yet in its own session
+                    if proc.poll() is None:
+                        os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
         stdout, stderr = "", ""
         for out, err in files:
@@ -116,6 +123,74 @@ def launch(script, nproc, args, timeout=300, check_teardown=True, torchrun=True,
         assert not re.search(r"torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
                              stderr), stderr[-3000:]
     return subprocess.CompletedProcess(procs[0].args, next((c for c in codes if c), 0), stdout, stderr)
+
+
+# The environment variables that can change what importing torch does (threads, logging, config read at import):
+# launches that differ in them get different fork servers.
+IMPORT_ENV = ("OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "TRITON", "PYTHON", "LD_")
+
+
+class ForkServer:
+    """tests/zygote.py, started once per import-time environment: launch() runs each `python <script> <args>` rank
+    as a fork of it (start() -> a Forked, which launch() polls and kills as it does a Popen)."""
+
+    def __init__(self, env):
+        self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "zygote.py")], cwd=REPO, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.codes = {}  # pid -> exit code, once the server has reaped it
+        self.started = []  # pids, in the order of the requests
+        self.pending = b""
+
+    def start(self, argv, env, stdout, stderr):
+        job = dict(argv=argv, cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+        os.write(self.proc.stdin.fileno(), json.dumps(job).encode() + b"\n")
+        while not self.started:
+            self.pump(1.0)
+        return Forked(self, self.started.pop(0), argv)
+
+    def pump(self, timeout):
+        """Reads what the server has said, waiting up to `timeout` s for it to say something."""
+        out = self.proc.stdout.fileno()
+        ready, _, _ = select.select([out], [], [], timeout)
+        if not ready:
+            return
+        chunk = os.read(out, 1 << 16)
+        if not chunk:
+            raise RuntimeError(f"tests/zygote.py ended (exit code {self.proc.wait()})")
+        self.pending += chunk
+        while b"\n" in self.pending:
+            line, self.pending = self.pending.split(b"\n", 1)
+            what, pid, *code = line.decode().split()
+            if what == "started":
+                self.started.append(int(pid))
+            else:
+                self.codes[int(pid)] = int(code[0])
+
+
+class Forked:
+    """One rank forked by a ForkServer: the part of subprocess.Popen that launch() uses."""
+
+    def __init__(self, server, pid, args):
+        self.server, self.pid, self.args = server, pid, args
+
+    def poll(self):
+        self.server.pump(0)
+        return self.server.codes.get(self.pid)
+
+    def wait(self):
+        while self.pid not in self.server.codes:
+            self.server.pump(0.05)
+        return self.server.codes[self.pid]
+
+
+FORK_SERVERS = {}
+
+
+def fork_server(env):
+    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_ENV)))
+    if key not in FORK_SERVERS or FORK_SERVERS[key].proc.poll() is not None:
+        FORK_SERVERS[key] = ForkServer({k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK")})
+    return FORK_SERVERS[key]
 
 
 def the_one_error(script, nproc, args):
@@ -324,11 +399,18 @@ def _worker(rank, world_size, port, fn, args, queue):
         dist.destroy_process_group()
 
 
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.tensor",
+                      "torch.distributed.fsdp", "conftest"]
+
+
 def spawn(fn, world_size, *args, timeout=300):
     """Run fn(rank, world_size, *args) on world_size gloo ranks; return the results by rank.
-    fn must be a module-level function of a test module (it is pickled)."""
+    fn must be a module-level function of a test module (it is pickled). The ranks are forks of multiprocessing's
+    fork server, which has imported torch and its distributed packages once (FORKSERVER_PRELOAD): a spawned
+    process would import them again for every rank, about 2-4 s each."""
     import queue as queue_module
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts: at the first spawn()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
