@@ -76,5 +76,4 @@ def become(job):
 if __name__ == "__main__":
     job = serve()
     if job is not None:
-        del serve
         become(job)
