@@ -371,6 +371,7 @@ class ReduceToOwner:
         self.in_flight = 0  # the bytes of those gradients
         self.window = reduce_bucket_bytes  # --reduce_bucket_mb: the most bytes in flight
         self.sync_persistent = True
+        self.written = set()  # the masters whose gradient this step's backward has written
         for p in owner:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -384,8 +385,9 @@ class ReduceToOwner:
         if master is not p:  # a non-owner keeps no gradient (the reduce holds what it sends)
             p.grad = None  # nor does a bf16 p
             if master is not None:  # the owner under bf16: its fp32 master's gradient accumulates
-                if master.grad is None:  # the first micro-step
-                    master.grad = grad
+                if master not in self.written:  # the step's first micro-step: it replaces the
+                    master.grad = grad  # zeros zero_grad left (no pass to add them, a tensor)
+                    self.written.add(master)
                 else:
                     grad = master.grad.add_(grad)  # the sum so far goes to the reduce
         if self.owner[p] is None and not self.sync_persistent:
@@ -416,6 +418,8 @@ class ReduceToOwner:
         """Wait for the gradient reduces; afterwards no rank holds a non-owned gradient."""
         while self.reduces:
             self._wait_oldest()
+        if self.sync_persistent:  # the step's last micro-step: the next backward starts a step
+            self.written.clear()
 
 
 class ZeRO2(ZeRO1):
@@ -508,13 +512,7 @@ class ParamFetcher:
         forward_order = range(len(self.units))
         for i, unit in enumerate(self.units):
             unit.register_forward_pre_hook(lambda m, inputs, i=i: self._before(i, forward_order))
-            unit.register_forward_hook(lambda m, inputs, out, i=i: self._after_forward(i))
-            if i in self.backward_order:  # with --activation_checkpointing full, a block's
-                # backward first runs its forward again, on the tensors this fetch brings: no more
-                # broadcasts than without
-                unit.register_full_backward_pre_hook(
-                    lambda m, grad_out, i=i: self._before(i, self.backward_order))
-                unit.register_full_backward_hook(lambda m, grad_in, grad_out, i=i: self._free(i))
+            unit.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, args, out))
 
     def _buffer(self, params, owner):
         """The flat buffer the module computes with, holding `params`, owned by `owner` (the tied
@@ -567,7 +565,18 @@ class ParamFetcher:
                     self.fetched[flat].wait()
                     self.fetched[flat] = None
 
-    def _after_forward(self, i):
+    def _after_forward(self, i, inputs, out):
+        if torch.is_grad_enabled() and i in self.backward_order:
+            # Backward's fetch and free, by autograd hooks on this forward's graph: fetch before
+            # the module's first backward op runs (a pre-hook on its output's node), free once the
+            # gradient of its input is whole (every op that reads a weight has then run: it passes
+            # a gradient to the input). With --activation_checkpointing full, a block's backward
+            # first runs its forward again, on the tensors this fetch brings. The input is the
+            # previous module's output: tensor hooks run before node pre-hooks, so this module is
+            # freed before that one is fetched. (Module-level full backward hooks would wrap every
+            # input and output in one more autograd Function: more host time a step.)
+            out.grad_fn.register_prehook(lambda grads: self._before(i, self.backward_order))
+            inputs[0].register_hook(lambda grad: self._free(i))
         # The head's backward comes right after the loss: keep its buffer (the tied wte) until then.
         head = i == len(self.units) - 1
         if head and torch.is_grad_enabled():

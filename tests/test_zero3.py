@@ -253,13 +253,17 @@ def _memory_ledger(rank, world_size, threshold, reuse):
         held_at.append(held_bytes(nonowned))
         expected_at.append(expect(units))
 
+    def record_before_backward(out, units):  # returns None: a forward hook's result would replace the output
+        out.grad_fn.register_prehook(lambda grads: record(units))
+
     n = len(fetcher.units)
     for i, unit in enumerate(fetcher.units):  # registered after ParamFetcher's hooks: they see the fetched state
         # forward: this module and the prefetched next one; when kept, the embedding's wte until the head
         unit.register_forward_pre_hook(lambda m, a, units=[i] + ([i + 1] if i + 1 < n else []) + ([0] if reuse and i else []): record(units))
-        if i in fetcher.backward_order:
+        if i in fetcher.backward_order:  # backward: a pre-hook on the module's output node, as ParamFetcher's, after it
             k = fetcher.backward_order.index(i)
-            unit.register_full_backward_pre_hook(lambda m, g, units=[i] + fetcher.backward_order[k + 1:k + 2]: record(units))
+            unit.register_forward_hook(lambda m, a, out, units=[i] + fetcher.backward_order[k + 1:k + 2]:
+                                       record_before_backward(out, units))
     optimizer = configure_optimizer([(n, p) for n, p in model.named_parameters() if reducer.owner[p] in (None, rank)],
                                     0.1, 1e-3, (0.9, 0.95))
     x, y = _rows(rank, world_size, BALANCED)
