@@ -191,6 +191,7 @@ MEMORY_CASES = [(0, 0), (300, 0), (0, KEEP)]
 
 def _all_checks(rank, world_size):
     return {"gradients": [_gradients_vs_one_process(rank, world_size, *case) for case in GRADIENT_CASES],
+            "gradients_bf16": _bf16_accumulated_gradients(rank, world_size),
             "memory": {case: _memory_ledger(rank, world_size, *case) for case in MEMORY_CASES},
             "communication": {case: _communication(rank, world_size, *case) for case in COMMUNICATION_CASES},
             "communication_bf16": _communication(rank, world_size, *COMMUNICATION_CASES[0], torch.bfloat16),
@@ -223,6 +224,25 @@ def _gradients_vs_one_process(rank, world_size, threshold, prefetch, accum, reus
     return weights, grads, leftovers, len(reducer.owned)
 
 
+def _bf16_accumulated_gradients(rank, world_size, accum=2):
+    """bf16 with accumulation, two steps, the gradients zeroed in place between them as the loop does: the first
+    micro-step's gradient replaces the zeros, the next ones add to it. Returns the owned gradients' largest error
+    relative to the largest gradient of the fp32 one-process reference (the same rows both steps)."""
+    model, reducer, fetcher = _build(rank, world_size, CONFIG, 0, dtype=torch.bfloat16)
+    x, y = _rows(rank, world_size, CONFIG)
+    for step in range(2):
+        for master in reducer.owned:  # optimizer.zero_grad(set_to_none=False)
+            if master.grad is not None:
+                master.grad.zero_()
+        _backward(model, reducer, fetcher, x, y, accum, world_size, torch.bfloat16)
+    reference = GPT(CONFIG, seed=0)
+    reference(*get_batch("train", 0, 8, CONFIG.block_size, seed=0))[1].backward()
+    ref = dict(reference.named_parameters())
+    names = {reducer.masters[p]: n for n, p in model.named_parameters() if p in reducer.masters}
+    scale = max(p.grad.abs().max().item() for p in ref.values())
+    return max((p.grad - ref[names[p]].grad).abs().max().item() for p in reducer.owned) / scale
+
+
 GRADIENT_CASES = [(0, True, 1, 0), (SMALL_TENSORS, False, 2, KEEP), (SMALL_TENSORS, True, 4, 0),
                   (0, True, 2, KEEP), (1_000_000, True, 1, KEEP)]  # last: only wte partitioned, rank 1 owns nothing
 
@@ -236,6 +256,13 @@ def test_owned_gradients_equal_one_process(ranks, case):
         assert leftovers == 0, "after backward a rank holds no non-owned parameter or gradient"
     owned = [owned for *_, owned in results]
     assert owned == [1, 0] if GRADIENT_CASES[case][0] == 1_000_000 else min(owned) > 0
+
+
+def test_bf16_accumulated_gradients_track_one_process(ranks):
+    # bf16 matmul inputs: measured 3.7e-3 of the largest gradient here; a micro-step lost: 0.57
+    errors = [r["gradients_bf16"] for r in ranks]
+    print(f"bf16, 2 micro-steps, second step: owned gradients off by {max(errors):.1e} of the largest")
+    assert max(errors) <= 2e-2, errors
 
 
 # ---- memory ledger ------------------------------------------------------------------------------
