@@ -566,7 +566,7 @@ class ParamFetcher:
                     self.fetched[flat] = None
 
     def _after_forward(self, i, inputs, out):
-        if torch.is_grad_enabled() and i in self.backward_order:
+        if out.requires_grad and i in self.backward_order:  # training: this module has a backward
             # Backward's fetch and free, by autograd hooks on this forward's graph: fetch before
             # the module's first backward op runs (a pre-hook on its output's node), free once the
             # gradient of its input is whole (every op that reads a weight has then run: it passes
@@ -579,7 +579,7 @@ class ParamFetcher:
             inputs[0].register_hook(lambda grad: self._free(i))
         # The head's backward comes right after the loss: keep its buffer (the tied wte) until then.
         head = i == len(self.units) - 1
-        if head and torch.is_grad_enabled():
+        if head and out.requires_grad:
             return
         self._free(i, self.keep[i])
 
