@@ -351,7 +351,8 @@ def test_world_size_larger_than_a_unit_pads_and_works(three_ranks):
 
 def test_script_two_ranks_checkpoint_metrics_and_summary(tmp_path):
     result = launch("fsdp_train.py", 2, TINY + ["--max_iters", "3", "--eval_interval", "2", "--eval_iters", "1",
-                                                 "--checkpoint_interval", "2", "--out_dir", str(tmp_path)])
+                                                 "--checkpoint_interval", "2", "--out_dir", str(tmp_path)],
+                    torchrun=False)  # launched as torchrun does (test_reliability's sweep runs it under torchrun)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records if "loss" in r] == [0, 1, 2]
