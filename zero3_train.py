@@ -371,7 +371,7 @@ class ReduceToOwner:
         self.in_flight = 0  # the bytes of those gradients
         self.window = reduce_bucket_bytes  # --reduce_bucket_mb: the most bytes in flight
         self.sync_persistent = True
-        self.written = set()  # the masters whose gradient this step's backward has written
+        self.first_micro_step = True  # the next backward's gradients replace zero_grad's zeros
         for p in owner:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -385,9 +385,8 @@ class ReduceToOwner:
         if master is not p:  # a non-owner keeps no gradient (the reduce holds what it sends)
             p.grad = None  # nor does a bf16 p
             if master is not None:  # the owner under bf16: its fp32 master's gradient accumulates
-                if master not in self.written:  # the step's first micro-step: it replaces the
-                    master.grad = grad  # zeros zero_grad left (no pass to add them, a tensor)
-                    self.written.add(master)
+                if self.first_micro_step:  # the gradient replaces the zeros zero_grad left (no
+                    master.grad = grad  # pass to add them, a tensor)
                 else:
                     grad = master.grad.add_(grad)  # the sum so far goes to the reduce
         if self.owner[p] is None and not self.sync_persistent:
@@ -418,8 +417,7 @@ class ReduceToOwner:
         """Wait for the gradient reduces; afterwards no rank holds a non-owned gradient."""
         while self.reduces:
             self._wait_oldest()
-        if self.sync_persistent:  # the step's last micro-step: the next backward starts a step
-            self.written.clear()
+        self.first_micro_step = self.sync_persistent  # after the step's last, a step starts
 
 
 class ZeRO2(ZeRO1):

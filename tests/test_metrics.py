@@ -153,7 +153,7 @@ def zero_reduce_wait(work):
     grad = torch.zeros(2)
     reduces.reduces = collections.deque([(grad, work)])  # the window's queue, oldest first
     reduces.in_flight = grad.numel() * grad.element_size()
-    reduces.sync_persistent, reduces.written = True, set()  # the step's last micro-step
+    reduces.sync_persistent = True  # the step's last micro-step
     reduces.finish_backward()
     assert reduces.in_flight == 0
 

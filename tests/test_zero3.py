@@ -208,14 +208,18 @@ def ranks():
 
 # ---- gradients: owners hold exactly the single-process gradient ------------------------------
 
+def _one_process_reference():
+    """{name: parameter} of the single-process GPT after one backward of the whole batch _rows() splits."""
+    reference = GPT(CONFIG, seed=0)
+    reference(*get_batch("train", 0, 8, CONFIG.block_size, seed=0))[1].backward()
+    return dict(reference.named_parameters())
+
+
 def _gradients_vs_one_process(rank, world_size, threshold, prefetch, accum, reuse):
     model, reducer, fetcher = _build(rank, world_size, CONFIG, threshold, prefetch, reuse)
     x, y = _rows(rank, world_size, CONFIG)
     _backward(model, reducer, fetcher, x, y, accum, world_size)
-    reference = GPT(CONFIG, seed=0)
-    xa, ya = get_batch("train", 0, 8, CONFIG.block_size, seed=0)
-    reference(xa, ya)[1].backward()
-    ref = dict(reference.named_parameters())
+    ref = _one_process_reference()
     names = {p: n for n, p in model.named_parameters()}
     weights = max((p - ref[names[p]]).abs().max().item() for p in reducer.owned + reducer.persistent)
     grads = max((p.grad - ref[names[p]].grad).abs().max().item() for p in reducer.owned + reducer.persistent)
@@ -235,9 +239,7 @@ def _bf16_accumulated_gradients(rank, world_size, accum=2):
             if master.grad is not None:
                 master.grad.zero_()
         _backward(model, reducer, fetcher, x, y, accum, world_size, torch.bfloat16)
-    reference = GPT(CONFIG, seed=0)
-    reference(*get_batch("train", 0, 8, CONFIG.block_size, seed=0))[1].backward()
-    ref = dict(reference.named_parameters())
+    ref = _one_process_reference()
     names = {reducer.masters[p]: n for n, p in model.named_parameters() if p in reducer.masters}
     scale = max(p.grad.abs().max().item() for p in ref.values())
     return max((p.grad - ref[names[p]].grad).abs().max().item() for p in reducer.owned) / scale
