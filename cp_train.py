@@ -672,7 +672,7 @@ def main(argv=None):
     mfu = MFU(config, args, device, world_size)  # model FLOPs utilisation, per log line
     metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start, mfu=mfu)
     if rank == 0:
-        print(f"cp ({args.implementation}): {world_size} rank(s) on {device}, "
+        print(f"cp ({args.implementation}): {world_size} rank(s) on {device} in {args.dtype}, "
               f"{model.describe()}; global batch {B} x {T} tokens, "
               f"{A} micro-step(s) of {micro} rows per data-parallel rank", flush=True)
 

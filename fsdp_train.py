@@ -31,7 +31,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from common.checkpoint import checkpoint as full_checkpoint, resume as full_resume
+from common.checkpoint import (checkpoint as full_checkpoint, resume as full_resume,
+                               set_adamw_state)
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import Batches, get_batch
 from common.distributed import (all_gather_single, autocast, clip_grad_norm_,
@@ -274,13 +275,13 @@ class FSDP:
         optimizer = ShardedAdamW(self.units, args)
         if state:  # a checkpoint's AdamW state by name (empty before a step): cut like the params
             for unit in self.units:
-                unit_state = dict(step=state[unit.tensors[0][0][0]]["step"].clone())  # all equal
+                unit_state = dict(step=state[unit.tensors[0][0][0]]["step"])  # all equal
                 for k in ("exp_avg", "exp_avg_sq"):
                     unit_state[k] = unit.shard_of(lambda name, shape: state[name][k])
-                optimizer.state[unit.local_shard] = unit_state
+                set_adamw_state(optimizer, unit.local_shard, unit_state)
         if self.sharded_state is not None:  # --resume_sharded: this rank's own file
             for unit, saved in zip(self.units, self.sharded_state):
-                optimizer.state[unit.local_shard] = saved  # its AdamW state ({} before a step)
+                set_adamw_state(optimizer, unit.local_shard, saved)  # ({} before a step)
         return optimizer
 
     def forward_backward(self, x, y, sync):
@@ -389,7 +390,7 @@ def main(argv=None):
     mfu = MFU(config, args, device, world_size)  # model FLOPs utilisation, per log line
     metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start, mfu=mfu)
     if rank == 0:
-        print(f"fsdp ({args.implementation}): {world_size} rank(s) on {device}, "
+        print(f"fsdp ({args.implementation}): {world_size} rank(s) on {device} in {args.dtype}, "
               f"{model.describe()}; global batch {B} x {T} tokens, "
               f"{A} micro-step(s) of {micro} rows per data-parallel rank", flush=True)
 

@@ -126,6 +126,9 @@ class Grid:
         self.size = dict(zip(AXES, (dp, pp, cp, tp)))
         self.coords = coordinates(self.ranks, dist.get_rank())
         self.groups = {}
+        # nccl: each group connects here, its ranks joining (new_group inherits setup's device_id),
+        # so the pp group's first batch_isend_irecv may be stages 0 and 1 alone (more than 2);
+        # a lazily connected group would need every rank in that first call.
         for axes in GROUPS:
             groups = axis_groups(self.ranks, axes)
             self.groups[axes], _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
@@ -702,6 +705,8 @@ class Hybrid:
             grad_in = backward(i, grad_out)
             last = i == n_steady - 1
             received, _ = self.exchange(send_backward=grad_in, recv_forward=not last, shape=shape)
+        if not torch.is_grad_enabled():  # evaluation: the M forwards were all there is
+            return loss_sum
         for i in range(n_steady, self.M):
             _, grad_out = self.exchange(recv_backward=True, shape=shape)
             self.exchange(send_backward=backward(i, grad_out))
@@ -839,7 +844,7 @@ def main(argv=None):
     mfu = MFU(config, args, device, world_size)  # model FLOPs utilisation, per log line
     metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start, mfu=mfu)
     if rank == 0:
-        print(f"hybrid ({args.implementation}): {world_size} rank(s) on {device}, "
+        print(f"hybrid ({args.implementation}): {world_size} rank(s) on {device} in {args.dtype}, "
               f"{model.describe()}; global batch {B} x {T} tokens, "
               f"{A} micro-step(s) of {micro} rows per data-parallel rank", flush=True)
 

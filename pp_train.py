@@ -531,6 +531,9 @@ class Pipeline:
         # Made by every rank, in the same order. p2p_group: the pipeline's messages, apart from the
         # loop's collectives; vocab_group: the vocabulary passes' collectives; tied_groups[r]:
         # rank 0 (wte) and rank r, which holds a copy of some of its rows.
+        # nccl: p2p_group connects here, every rank joining (new_group inherits setup's device_id),
+        # so its first batch_isend_irecv may be ranks 0 and 1 alone (more than 2 stages);
+        # a lazily connected group would need every rank in that first call.
         self.p2p_group = dist.new_group()
         self.vocab_group = dist.new_group() if vp else None
         self.tied_groups = {}
@@ -835,7 +838,7 @@ def main(argv=None):
     mfu = MFU(config, args, device, world_size)  # model FLOPs utilisation, per log line
     metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start, mfu=mfu)
     if rank == 0:
-        print(f"pp ({args.implementation}): {world_size} rank(s) on {device}; "
+        print(f"pp ({args.implementation}): {world_size} rank(s) on {device} in {args.dtype}; "
               f"global batch {B} x {T} tokens, {A} micro-step(s) of {micro} rows; "
               f"{model.describe()}", flush=True)
 

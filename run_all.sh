@@ -56,11 +56,13 @@ elif [ "$GPUS" -gt 0 ]; then
 fi
 RUNS=runs/$MODE
 [ "$DRY" = 1 ] || { rm -rf "$RUNS" runs/smoke-gpu && mkdir -p "$RUNS"; }
-COMMON="--eval_interval 0 --tensorboard false --log_interval 10"
+# Each run evaluates before its first step and after its last (--eval_interval = --max_iters, two
+# batches a split): the smoke compares both with the reference's.
+COMMON="--eval_iters 2 --tensorboard false --log_interval 10"
 if [ "$MODE" = smoke ]; then
-  FLAGS="$COMMON --max_iters 10"           # the default model: 4 layers, 128 wide, batch 16 x 64
+  FLAGS="$COMMON --max_iters 10 --eval_interval 10"  # the default model: 4 layers, 128 wide, batch 16 x 64
 else
-  FLAGS="$COMMON --max_iters 30 --warmup_iters 5"
+  FLAGS="$COMMON --max_iters 30 --eval_interval 30 --warmup_iters 5"
 fi
 
 run() {  # run NAME NPROC SCRIPT FLAGS...: one training run into $RUNS/NAME, on $DEVICE

@@ -422,8 +422,13 @@ class TPRankDropout(nn.Dropout):
         self.tp_rank = tp_rank
 
     def forward(self, x):
-        rng = tp_rank_rng(self.tp_rank, x.device) if self.training and self.p else nullcontext()
-        with rng:
+        if not (self.training and self.p):
+            return super().forward(x)
+        return self.on_rank_stream(x)
+
+    @torch.compiler.disable  # --compile: generator states are host objects; the graph breaks here
+    def on_rank_stream(self, x):
+        with tp_rank_rng(self.tp_rank, x.device):
             return super().forward(x)
 
 
@@ -789,7 +794,7 @@ def main(argv=None):
     mfu = MFU(config, args, device, world_size)  # model FLOPs utilisation, per log line
     metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start, mfu=mfu)
     if rank == 0:
-        print(f"tp ({args.implementation}): {world_size} rank(s) on {device}, "
+        print(f"tp ({args.implementation}): {world_size} rank(s) on {device} in {args.dtype}, "
               f"{model.describe()}; global batch {B} x {T} tokens, "
               f"{A} micro-step(s) of {micro} rows per data-parallel rank", flush=True)
 

@@ -207,10 +207,27 @@ def _check(ckpt, path, args):
     return None
 
 
-def set_adamw_state(optimizer, param, state, local):
-    """Puts one parameter's full-format AdamW state into `optimizer`: local(full tensor) returns
-    this rank's piece of it, laid out like `param` (a shard, a slice, a DTensor, or all of it)."""
-    optimizer.state[param] = {k: v.clone() if k == "step" else local(v) for k, v in state.items()}
+def set_adamw_state(optimizer, param, state, local=None):
+    """Puts one parameter's AdamW state into `optimizer`, as every resume does: local(full tensor)
+    returns this rank's piece of a full-format moment, laid out like `param` (a shard, a slice, a
+    DTensor, or all of it); without local the moments are this rank's already (a sharded file's).
+    `step` goes where this optimizer reads it (adamw_step)."""
+    local = local or (lambda moment: moment)
+    optimizer.state[param] = {k: adamw_step(optimizer, param, v) if k == "step" else local(v)
+                              for k, v in state.items()}
+
+
+def adamw_step(optimizer, param, step):
+    """A copy of AdamW's `step` (a checkpoint's, on the CPU) where torch's own load_state_dict puts
+    it for `param`'s group (Optimizer._process_value_according_to_param_policy; the same rule in
+    torch 2.0 to 2.13). A fused or capturable AdamW reads it on the parameter's device, as float32:
+    the fused CUDA kernel dereferences it there, and nothing checks that it is (a DTensor's device
+    is its local one, and the copy a plain tensor). Any other AdamW reads it on the CPU, as saved.
+    A fused AdamW's step is float32 from its first step, so a CPU resume keeps its bits."""
+    [group] = [g for g in optimizer.param_groups if any(p is param for p in g["params"])]
+    if group.get("fused") or group.get("capturable"):
+        return step.to(dtype=torch.float32, device=param.device, copy=True)
+    return step.clone()
 
 
 def model_state_on_cpu(model, gather=torch.Tensor.detach, keep=True):

@@ -99,8 +99,9 @@ def parse_args(strategy, add_flags=None, argv=None):
     r.add_argument("--seed", type=int, default=1337)
     r.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda + nccl when a GPU is present, else cpu + gloo")
-    r.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="compute dtype (bfloat16: autocast; parameters and optimizer stay fp32)")
+    r.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="compute dtype (bfloat16: autocast; parameters and optimizer stay fp32); "
+                        "None: bfloat16 on CUDA where the GPU computes in it, else float32")
     add_bool(r, "--tf32", True, "on CUDA, fp32 matmuls and convolutions in TF32 (nanoGPT's "
              "default, several times faster on A100/H100); no effect on CPU")
     r.add_argument("--activation_checkpointing", choices=MODES, default="none",
@@ -145,8 +146,25 @@ def parse_args(strategy, add_flags=None, argv=None):
             setattr(args, name, getattr(preset, name))
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.max_iters
+    if args.dtype is None:  # resolved here, before any script's checks read it (pp's torch gate)
+        args.dtype = default_dtype(args)
     check_core_args(args)
     return args
+
+
+def uses_cuda(args):
+    """Whether this run computes on CUDA (nccl): --device cuda, or auto with a GPU present."""
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+
+
+def default_dtype(args):
+    """--dtype's default: bfloat16 on CUDA where the GPU computes in it (compute capability 8.0+:
+    A100, H100, ...), as nanoGPT trains there; float32 on an older GPU, which only emulates bf16
+    (nanoGPT's float16 would need a gradient scaler); float32 on CPU, whose runs keep their losses.
+    Asked of cuda:0, before setup picks this rank's GPU: a node's GPUs are of one kind."""
+    if uses_cuda(args) and torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bfloat16"
+    return "float32"
 
 
 def check_torch(needed=TORCH_FLOOR, what="nanodist",

@@ -25,7 +25,7 @@ import torch.distributed.nn.functional  # noqa: F401
 import torch.distributed._shard.sharding_spec.chunk_sharding_spec_ops._common  # noqa: F401
 
 from common import data
-from common.config import die
+from common.config import die, uses_cuda
 from common.metrics import activations, timers
 
 
@@ -53,11 +53,6 @@ def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async
     """dist.reduce_scatter_single: `input` summed (op) over the ranks, rank r keeps chunk r."""
     scatter = getattr(dist, torch_name("reduce_scatter_single"))
     return scatter(output, input, op=op, group=group, async_op=async_op)
-
-
-def uses_cuda(args):
-    """Whether this run computes on CUDA (nccl): --device cuda, or auto with a GPU present."""
-    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
 
 
 def setup(args):
@@ -97,6 +92,12 @@ def setup(args):
         return rank, world_size, device
     backend = "nccl" if use_cuda else "gloo"
     timeout = timedelta(seconds=args.timeout_s)  # a collective waiting longer than this raises
+    # nccl: device_id binds the default group to this rank's GPU, and connects it now.
+    # Each new_group inherits the binding and connects at creation, which every rank joins
+    # (torch 2.9 to 2.13, with the NCCL 2.18+ its wheels ship: _new_group_with_tag).
+    # So a group's first call may involve only some of its ranks (pp's first batch_isend_irecv);
+    # connected lazily, a group's first call would need every one of them. Keep device_id.
+    device_id = device if use_cuda else None  # gloo binds no device
     if torchrun:
         store = None
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -109,12 +110,12 @@ def setup(args):
             port = int(os.environ["MASTER_PORT"])
             tcp_store = dist.TCPStore(addr, port, world_size, hosts, timeout=timeout)
             store = dist.PrefixStore(f"nanodist/attempt_{attempt}", tcp_store)
-        device_id = device if use_cuda else None
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout, device_id=device_id)
     else:  # single process: a one-rank group in memory, no port needed
         store = dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout,
+                                device_id=device_id)
     return rank, world_size, device
 
 

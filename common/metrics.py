@@ -165,7 +165,11 @@ class SavedActivations:
     @classmethod
     def hold(cls, *tensors):
         """Counts tensors kept for backward outside autograd's saved tensors: the inputs that
-        torch.utils.checkpoint keeps for its recompute (inside it, its own hooks replace these)."""
+        torch.utils.checkpoint keeps for its recompute (inside it, its own hooks replace these).
+        Not inside a compiled graph (a checkpoint within a compiled block): traced, the meter would
+        break the graph, and a compiled run's memory is not the eager one it measures."""
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():  # or nothing is kept
+            return
         for meter in cls.in_use:
             for t in tensors:
                 meter._pack(t)
@@ -185,8 +189,9 @@ class SavedActivations:
         return sum(self.storages.values())
 
     def first(self):
-        """This meter around the first call only (e.g. one micro-step's forward), else a no-op."""
-        if self.measured:
+        """This meter around the first call that autograd records (e.g. one micro-step's forward,
+        not an evaluation's before it), else a no-op."""
+        if self.measured or not torch.is_grad_enabled():
             return nullcontext()
         self.measured = True
         return self

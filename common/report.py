@@ -17,7 +17,9 @@ import os
 import statistics
 import sys
 
-SMOKE_TOL = 1e-4  # a run "diverges" when a step's loss is further than this from the reference
+SMOKE_TOL = 1e-4  # a run "diverges" when a step's or evaluation's loss is further than this from the
+# reference's, or a step's pre-clip grad norm relatively further (a gradient N times off trains to the same
+# losses under AdamW and a clip that fires; only its norm shows it)
 # The GPU rows: bf16 against a bf16 reference. Each script rounds to bf16 at its own places (fsdp
 # gathers bf16 parameters, the pipeline sends bf16 activations) and CUDA's kernels sum in their own
 # orders; bf16 against fp32 measured up to 6e-4 over 15 steps on CPU (tests/test_bf16.py, whose
@@ -27,7 +29,7 @@ GPU_BF16_TOL = 5e-3
 
 
 def load(run_dir):
-    run = {"exit_code": None, "losses": [], "summary": None, "device": "-"}
+    run = {"exit_code": None, "losses": [], "norms": [], "evals": {}, "summary": None, "device": "-"}
     code = os.path.join(run_dir, "exit_code")
     if os.path.exists(code):
         run["exit_code"] = int(open(code).read().strip() or 1)
@@ -40,6 +42,9 @@ def load(run_dir):
             r = json.loads(line)
             if "loss" in r:
                 run["losses"].append(r["loss"])
+                run["norms"].append(r.get("grad_norm"))
+            if "val_loss" in r:
+                run["evals"][r["step"]] = (r["train_loss"], r["val_loss"])
             if r.get("summary"):
                 run["summary"] = r
     run["ok"] = run["exit_code"] == 0 and run["summary"] is not None
@@ -48,6 +53,16 @@ def load(run_dir):
 
 def mib(nbytes):
     return f"{nbytes / 2**20:.0f}"
+
+
+def divergence(run, reference):
+    """The largest difference from the reference: |dloss| over the steps and evaluations, and the
+    relative |dnorm| of the steps' pre-clip grad norms."""
+    losses = list(zip(run["losses"], reference["losses"]))
+    for step, pair in run["evals"].items():
+        losses += zip(pair, reference["evals"].get(step, (float("nan"),) * 2))
+    norms = [(a, b) for a, b in zip(run["norms"], reference["norms"]) if a is not None]
+    return max([abs(a - b) for a, b in losses] + [abs(a - b) / abs(b) for a, b in norms])
 
 
 def smoke(runs_dir, tol=SMOKE_TOL):
@@ -67,8 +82,9 @@ def smoke(runs_dir, tol=SMOKE_TOL):
         if not run["ok"]:
             status = f"FAILED (exit {run['exit_code']})"
         else:
-            d = max(abs(a - b) for a, b in zip(run["losses"], reference["losses"]))
-            if len(run["losses"]) != len(reference["losses"]) or not d <= tol:
+            d = divergence(run, reference)
+            if (len(run["losses"]) != len(reference["losses"])
+                    or run["evals"].keys() != reference["evals"].keys() or not d <= tol):
                 status = f"DIVERGED (> {tol:g})"
             final, delta = f"{run['losses'][-1]:.4f}", f"{d:.2e}"
             tps = f"{run['summary']['tokens_per_sec']:,.0f}"

@@ -51,8 +51,8 @@ def load_file(path):
 
 def load_sharded(path, rank, device):
     """This rank's units [{local_shard, AdamW state}] from the save the manifest at path names, on
-    `device`; AdamW's `step` stays a CPU tensor, as torch keeps it (its Optimizer.load_state_dict
-    moves it only for a fused or capturable AdamW, which the scripts do not use)."""
+    `device`, but AdamW's `step`, which stays on the CPU as saved: set_adamw_state puts it where
+    the optimizer reads it (on `device` for the scripts' fused AdamW)."""
     manifest, _ = load_file(os.path.join(path, "manifest.pt"))
     file = os.path.join(path, manifest["folder"], f"rank{rank}.pt")
     units = torch.load(file, map_location="cpu", weights_only=True)["units"]

@@ -268,12 +268,23 @@ def step_losses(out_dir):
     return [r["loss"] for r in read_metrics(out_dir) if "loss" in r]
 
 
+def run_record(out_dir):
+    """What a run logged that parity compares: every step's loss and pre-clip grad norm, and every evaluation
+    as (step, train loss, val loss)."""
+    rows = read_metrics(out_dir)
+    return dict(loss=[r["loss"] for r in rows if "loss" in r], grad_norm=[r["grad_norm"] for r in rows if "loss" in r],
+                eval=[(r["step"], r["train_loss"], r["val_loss"]) for r in rows if "val_loss" in r])
+
+
 # The parity config (tests/test_parity.py), shared with the resume tests so that they can reuse its runs.
 PARITY_STEPS = 15
+PARITY_EVAL_ITERS = 2  # batches per split of each evaluation
 # --deterministic: what the README tells users to pass for bit-identical reruns and resumes (on CPU
-# the kernels were already deterministic, and the losses are the same bits with it or without)
+# the kernels were already deterministic, and the losses are the same bits with it or without).
+# --eval_interval PARITY_STEPS: an evaluation before the first step and one at the end of the run (a run of
+# fewer steps too, and a resumed run at its end), each checked against one process's.
 PARITY = TINY + ["--learning_rate", "1e-3", "--min_lr", "1e-4", "--warmup_iters", "5", "--seed", "1337",
-                 "--deterministic"]
+                 "--deterministic", "--eval_interval", str(PARITY_STEPS), "--eval_iters", str(PARITY_EVAL_ITERS)]
 CUT = 6  # the step tests/test_reliability.py's resumes start from
 
 

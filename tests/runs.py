@@ -4,15 +4,41 @@ serves several short runs (a launch costs seconds of start-up, a tiny run a frac
     torchrun --standalone --nproc_per_node=N tests/runs.py <script> <flags...> [--- <flags...>]...
 
 Each group of flags after the script is one run, in order; the process group is set up by the first.
+Each run starts with dynamo's caches and counters cleared (torch._dynamo.reset(): a run compiles as a fresh
+process would, with no earlier run's graphs or recompile limit) and, when it has an --out_dir, leaves there
+dynamo_rank<RANK>.json, this rank's torch._dynamo.utils.counters after its first training step and at its end:
+    {"after_first_step": {"frames": {...}, "stats": {...}, "graph_break": {...}}, "end": {...}}
 """
 import importlib
+import json
 import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import torch._dynamo  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+
 from common.distributed import teardown  # noqa: E402
+from common.metrics import Metrics  # noqa: E402
+
+COUNTED = ("frames", "stats", "graph_break")  # what dynamo traced, compiled, and where it broke
+snapshots = []  # this run's counters after each training step
+
+
+def counted():
+    return {key: dict(counters[key]) for key in COUNTED}
+
+
+def step_counted(step):
+    def call(self, *args, **kwargs):
+        step(self, *args, **kwargs)
+        snapshots.append(counted())
+    return call
+
+
+Metrics.step = step_counted(Metrics.step)  # the scripts' Metrics: common.metrics' one class
 
 
 def split_runs(argv):
@@ -28,5 +54,11 @@ def split_runs(argv):
 if __name__ == "__main__":
     script = importlib.import_module(os.path.basename(sys.argv[1])[:-3])
     for argv in split_runs(sys.argv[2:]):
+        torch._dynamo.reset()
+        snapshots.clear()
         script.main(argv)
+        if "--out_dir" in argv and snapshots:
+            name = f"dynamo_rank{os.environ.get('RANK', '0')}.json"
+            with open(os.path.join(argv[argv.index("--out_dir") + 1], name), "w") as f:
+                json.dump(dict(after_first_step=snapshots[0], end=counted()), f)
     teardown()

@@ -11,11 +11,18 @@ figure), the largest |loss_bf16 - loss_fp32| of the 10 runs was 6e-4 (fsdp and z
 for the others. TOL = 5e-3 is 8 times that, room for other CPUs' bf16 kernels, and far below what a
 wrong strategy does: the loss falls by 0.17 a step on average here, so a step trained on the wrong
 rows, shards or learning rate moves it by 1e-2 or more. What the loss cannot show (a sum of
-gradients over ranks rounded to bf16 would differ by about 1e-4 at 2 ranks) the collective counts do.
+gradients over ranks rounded to bf16 would differ by about 1e-4 at 2 ranks) the collective counts do,
+and for ddp's and cp's buckets, whose all-reduce also carries the logged loss, what the buckets send.
 """
 import pytest
+import torch
+import torch.distributed as dist
 
-from conftest import PARITY, PARITY_STEPS, peer_needs, probe, step_losses
+from conftest import PARITY, PARITY_STEPS, TINY, peer_needs, probe, spawn, step_losses
+from common.config import gpt_config, parse_args
+from common.data import get_batch
+from cp_train import ContextParallel, add_cp_flags, check_cp_args
+from ddp_train import DDP, add_ddp_flags, check_ddp_args
 
 FLAGS = PARITY + ["--max_iters", str(PARITY_STEPS)]
 TOL = 5e-3
@@ -25,9 +32,12 @@ RUNS = [(s, i) for s in ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_
 # What each custom strategy must send in bf16: "collective:dtype" keys of tests/probe.py's counts.
 BF16_TRAFFIC = {"fsdp_train.py": "all_gather_single:torch.bfloat16", "zero3_train.py": "broadcast:torch.bfloat16",
                 "tp_train.py": "all_reduce:torch.bfloat16", "cp_train.py": "batch_isend_irecv:torch.bfloat16"}  # ring's K/V
-# Gradients are reduced in fp32 by every script (no bf16 rounding of a sum over ranks).
-FP32_GRADIENTS = {"ddp_train.py": "all_reduce:torch.float32", "fsdp_train.py": "reduce_scatter_single:torch.float32",
-                  "zero3_train.py": "reduce:torch.float32", "cp_train.py": "all_reduce:torch.float32"}
+# Gradients are reduced in fp32 by every script (no bf16 rounding of a sum over ranks): fsdp's and zero3's collectives
+# here carry gradients only. ddp's and cp's all_reduce also carries the logged loss, an fp32 scalar, so a count of fp32
+# all-reduces cannot see their buckets: none of theirs may be bf16, and test_buckets_all_reduce_every_gradient_in_fp32
+# checks what the buckets send.
+FP32_GRADIENTS = {"fsdp_train.py": "reduce_scatter_single:torch.float32", "zero3_train.py": "reduce:torch.float32"}
+NO_BF16 = {"ddp_train.py": "all_reduce:torch.bfloat16", "cp_train.py": "all_reduce:torch.bfloat16"}
 
 
 @pytest.mark.parametrize("script,implementation", [pytest.param(*r, marks=peer_needs(*r, "bfloat16")) for r in RUNS],
@@ -45,5 +55,73 @@ def test_bf16_tracks_fp32_and_sends_bf16(script, implementation, shared_run, tmp
         assert all(s.get(BF16_TRAFFIC[script], 0) > 0 for s in sent), sent
     if implementation == "custom" and script in FP32_GRADIENTS:
         assert all(s.get(FP32_GRADIENTS[script], 0) > 0 for s in sent), sent
+    if implementation == "custom" and script in NO_BF16:
+        assert all(s.get(NO_BF16[script], 0) == 0 for s in sent), sent
     if script == "ddp_train.py":  # the replicas stay bit-identical under bf16 too
         assert ranks[0]["digests"] == ranks[1]["digests"]
+
+
+# ---- what ddp's and cp's buckets send, in bf16 ------------------------------------------------------------
+
+def _strategy(script, world_size):
+    """ddp's or cp's strategy (cp over all ranks) in bf16 at the tiny config, as main() builds it; its DP size."""
+    flags = TINY + ["--dtype", "bfloat16", "--grad_accum_steps", "2", "--bucket_cap_mb", "0.5"]
+    if script == "ddp_train.py":
+        args = parse_args("ddp", add_ddp_flags, flags)
+        D = check_ddp_args(args, world_size)
+        return DDP(gpt_config(args), args, torch.device("cpu")), D
+    args = parse_args("cp", add_cp_flags, flags)
+    D = check_cp_args(args, world_size)
+    return ContextParallel(gpt_config(args), args, torch.device("cpu")), D
+
+
+def _bucket_traffic(rank, world_size, script):
+    """One optimizer step (2 micro-steps) of the strategy in bf16, with dist.all_reduce wrapped: per micro-step, the
+    (dtype, numel) of each tensor handed to it; then the buckets' (dtype, numel), the gradients' dtypes and the
+    number of gradient elements."""
+    strategy, D = _strategy(script, world_size)
+    args = strategy.args
+    x, y = get_batch("train", 0, args.batch_size, args.block_size, args.seed)
+    rows = args.batch_size // D
+    micro = rows // args.grad_accum_steps
+    start = rank * D // world_size * rows  # this rank's rows, as main() takes them
+    calls, per_micro_step, original = [], [], dist.all_reduce
+
+    def recording_all_reduce(tensor, *a, **kw):
+        calls.append((str(tensor.dtype), tensor.numel()))
+        return original(tensor, *a, **kw)
+
+    dist.all_reduce = recording_all_reduce
+    try:
+        for j in range(args.grad_accum_steps):
+            part = slice(start + j * micro, start + (j + 1) * micro)
+            strategy.forward_backward(x[part], y[part], sync=j == args.grad_accum_steps - 1)
+            per_micro_step.append(list(calls))
+            calls.clear()
+    finally:
+        dist.all_reduce = original
+    buckets = [(str(b.buffer.dtype), b.buffer.numel()) for b in strategy.buckets.buckets]
+    params = list(strategy.model.parameters())
+    return per_micro_step, buckets, {str(p.grad.dtype) for p in params}, sum(p.numel() for p in params)
+
+
+def _traffic(rank, world_size):
+    return {script: _bucket_traffic(rank, world_size, script) for script in NO_BF16}
+
+
+@pytest.fixture(scope="module")
+def traffic():
+    return spawn(_traffic, 2)
+
+
+@pytest.mark.parametrize("script", list(NO_BF16), ids=[s[:-9] for s in NO_BF16])
+def test_buckets_all_reduce_every_gradient_in_fp32(traffic, script):
+    """Under --dtype bfloat16 the gradients stay fp32 and the buckets all-reduce them in fp32: on the syncing
+    micro-step exactly the buckets go out, in order, each fp32, together every gradient element once; the first
+    micro-step (no sync) sends nothing. A bucket sent in bf16 (a compressed all-reduce) fails here."""
+    for per_micro_step, buckets, grad_dtypes, numel in (r[script] for r in traffic):
+        assert per_micro_step[0] == [], per_micro_step[0]
+        assert per_micro_step[1] == buckets, (per_micro_step[1], buckets)
+        assert {dtype for dtype, _ in buckets} == {"torch.float32"} and len(buckets) > 1, buckets
+        assert sum(n for _, n in buckets) == numel
+        assert grad_dtypes == {"torch.float32"}, grad_dtypes

@@ -259,9 +259,12 @@ def test_a_truncated_bin_is_prepared_again(small_dataset):
 
 # ---- 9: one GPU per process ------------------------------------------------------------------------
 
-def fake_gpus(monkeypatch, count, local_rank, local_world, visible=None):
+def fake_gpus(monkeypatch, count, local_rank, local_world, visible=None, native_bf16=True):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    # bf16 on a GPU of compute capability 8.0+ (native); a V100 or T4 only emulates it, and says True only when
+    # emulation counts, is_bf16_supported's default
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native_bf16 or including_emulation)
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
     if visible is None:
@@ -289,7 +292,7 @@ def test_a_rank_that_sees_one_gpu_uses_cuda_0(monkeypatch):
         assert distributed.setup(args) == (1, 2, torch.device("cuda", 0))
     finally:
         torch.set_rng_state(state)
-    assert args.compile is True  # --compile's default on CUDA
+    assert args.compile is True and args.dtype == "bfloat16"  # --compile's and --dtype's defaults on CUDA
     assert calls == [("set_device", torch.device("cuda", 0)), ("numerics", True), ("timers", torch.device("cuda", 0)),
                      ("nccl", torch.device("cuda", 0))]
 

@@ -1,4 +1,5 @@
-"""ddp_train.py: buckets, overlap bookkeeping, no_sync, equality with torch DDP, the single-process contract.
+"""ddp_train.py: the strategy's gradients equal to one process and to torch DDP, buckets, overlap bookkeeping,
+no_sync, the single-process contract.
 (Bad input for every script: tests/test_reliability.py.)"""
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -9,11 +10,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from conftest import TINY, DeviceMemory, cpu_copies_only, launch, probe, read_metrics, spawn
+from common.config import parse_args
 from common.data import get_batch
 from common.distributed import all_gather_single
 from common.model import GPT, GPTConfig, configure_optimizer
 from cp_train import ContextParallel
-from ddp_train import DDP, GradientBuckets
+from ddp_train import DDP, GradientBuckets, add_ddp_flags
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 CAP_MB = 0.05  # small enough for several buckets in CONFIG
@@ -25,25 +27,40 @@ def _rows(rank, world_size, batch=8, step=0):
     return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
-def _train_custom(model, buckets, x, y, accum):
+def _strategy(accum):
+    """ddp_train.py's strategy for CONFIG (seed 0), as main() builds it."""
+    args = parse_args("ddp", add_ddp_flags, ["--device", "cpu", "--seed", "0", "--bucket_cap_mb", str(CAP_MB),
+                                              "--grad_accum_steps", str(accum)])  # cpu: fp32 by default
+    return DDP(CONFIG, args, torch.device("cpu"))
+
+
+def _train_custom(strategy, x, y):
+    """One optimizer step's micro-steps on this rank's rows, through the strategy's own forward_backward (its
+    loss scaling and its buckets), as main() runs them."""
+    accum = strategy.args.grad_accum_steps
     micro = x.size(0) // accum
     for j in range(accum):
-        buckets.require_sync = j == accum - 1  # set before the forward, as in ddp_train.py
-        _, loss = model(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro])
-        (loss / (accum * dist.get_world_size())).backward()  # as ddp_train.py: the buckets sum g/N
-        buckets.finish_backward()
+        strategy.forward_backward(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro], sync=j == accum - 1)
+
+
+def _one_process_grads(batch=8):
+    """The gradients of one process: the whole model, the whole global batch that _rows() splits, one backward."""
+    reference = GPT(CONFIG, seed=0)
+    reference(*get_batch("train", 0, batch, CONFIG.block_size, seed=0))[1].backward()
+    return [p.grad for p in reference.parameters()]
 
 
 def _custom_vs_torch_ddp(rank, world_size, accum):
     x, y = _rows(rank, world_size)
-    custom = GPT(CONFIG, seed=0)
+    strategy = _strategy(accum)
+    custom = strategy.model
     # identical init on every rank, without a broadcast: gather every rank's weights and compare
     flat = torch.cat([p.detach().flatten() for p in custom.parameters()])
     gathered = torch.empty(world_size * flat.numel())
     all_gather_single(gathered, flat)
     same_init = all(torch.equal(chunk, flat) for chunk in gathered.chunk(world_size))
-    buckets = GradientBuckets(custom, CAP_MB)
-    _train_custom(custom, buckets, x, y, accum)
+    _train_custom(strategy, x, y)
+    one_process = max((p.grad - g).abs().max().item() for p, g in zip(custom.parameters(), _one_process_grads()))
 
     reference = DistributedDataParallel(GPT(CONFIG, seed=0), bucket_cap_mb=CAP_MB)
     micro = x.size(0) // accum
@@ -53,9 +70,10 @@ def _custom_vs_torch_ddp(rank, world_size, accum):
             (loss / accum).backward()
     diff = max((p.grad - q.grad).abs().max().item()
                for p, q in zip(custom.parameters(), reference.module.parameters()))
+    buckets = strategy.buckets
     in_buffers = all(any(b.buffer.data_ptr() <= p.grad.data_ptr() < b.buffer.data_ptr() + b.buffer.numel() * 4
                          for b in buckets.buckets) for p in custom.parameters())
-    return same_init, diff, in_buffers, len(buckets.buckets)
+    return same_init, one_process, diff, in_buffers, len(buckets.buckets)
 
 
 def _all_checks(rank, world_size):
@@ -99,9 +117,12 @@ def ranks():
 
 
 @pytest.mark.parametrize("accum", [1, 4])
-def test_custom_gradients_equal_torch_ddp(accum, ranks):
-    for same_init, diff, in_buffers, n_buckets in (r["vs_torch_ddp"][accum] for r in ranks):
+def test_custom_gradients_equal_one_process_and_torch_ddp(accum, ranks):
+    """DDP.forward_backward on each rank's rows (A micro-steps): every gradient equals one process's on the whole
+    batch, and torch DDP's. A gradient N or A times off (the loss divided by A only, or by N only) fails here."""
+    for same_init, one_process, diff, in_buffers, n_buckets in (r["vs_torch_ddp"][accum] for r in ranks):
         assert same_init, "ranks must start from identical weights"
+        assert one_process <= 1e-6, one_process
         assert diff <= 1e-6, diff
         assert in_buffers, "after backward every .grad must still be a view into its bucket"
         assert n_buckets > 2
@@ -150,9 +171,9 @@ def _accumulation_equals_full_batch(rank, world_size):
     x, y = _rows(rank, world_size, batch=16)
     grads = []
     for accum in (1, 4):
-        model = GPT(CONFIG, seed=0)
-        _train_custom(model, GradientBuckets(model, CAP_MB), x, y, accum)
-        grads.append([p.grad.clone() for p in model.parameters()])
+        strategy = _strategy(accum)
+        _train_custom(strategy, x, y)
+        grads.append([p.grad.clone() for p in strategy.model.parameters()])
     return max((a - b).abs().max().item() for a, b in zip(*grads))
 
 

@@ -13,13 +13,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from conftest import TINY, DeviceMemory, cpu_copies_only, launch, read_metrics, refusal, spawn, the_one_error
-from common.config import parse_args
+from common.config import gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import all_gather_single, clip_grad_norm_, reduce_scatter_single, torch_name
 from common.metrics import held_bytes
 from common.model import GPT, GPTConfig, init_tensor
 import common.sharded_checkpoint
-from fsdp_train import FSDP, FlatParamUnit, FullyShardedGPT, add_fsdp_flags, checkpoint, resume
+from fsdp_train import FSDP, FlatParamUnit, FullyShardedGPT, ShardedAdamW, add_fsdp_flags, checkpoint, resume
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
 CONFIG_FLAGS = ["--block_size", "16", "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--seed", "0",
@@ -40,10 +40,6 @@ def _strategy(flags=()):
     args = parse_args("fsdp", add_fsdp_flags, [*CONFIG_FLAGS, *flags])
     strategy = FSDP(CONFIG, args, torch.device("cpu"))
     return strategy, strategy.configure_optimizer(args), args
-
-
-def _local_grads(fsdp):
-    return [u.local_shard.grad[:u.valid] for u in fsdp.units]
 
 
 def _gathered_bytes(fsdp):
@@ -68,18 +64,19 @@ def _full_grads(fsdp):
 
 
 def _gradients_vs_reference(rank, world_size, accum):
+    """FSDP.forward_backward on this rank's rows in `accum` micro-steps (its own loss scaling and reduce-scatters),
+    against one process on the whole batch."""
     batch = 2 * world_size * accum
     x, y = get_batch("train", 0, batch, CONFIG.block_size, seed=0)
     rows = batch // world_size
-    model, fsdp, _ = _sharded(CONFIG, rank, world_size)
+    strategy, _, _ = _strategy(["--grad_accum_steps", str(accum)])
     xs, ys = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
     micro = rows // accum
     for j in range(accum):
-        _, loss = model(xs[j * micro:(j + 1) * micro], ys[j * micro:(j + 1) * micro])
-        (loss / accum).backward()
-        fsdp.finish_backward()
+        strategy.forward_backward(xs[j * micro:(j + 1) * micro], ys[j * micro:(j + 1) * micro], j == accum - 1)
+    fsdp = strategy.sharded
     grads = _full_grads(fsdp)
-    norm = clip_grad_norm_(_local_grads(fsdp), [], 0.0).item()
+    norm = strategy.clip_grad_norm_(0.0).item()  # 0: measure only
 
     reference = GPT(CONFIG, seed=0)  # the whole global batch in one process
     _, loss = reference(x, y)
@@ -464,18 +461,27 @@ def sharded_saves(tmp_path_factory):
     return saves
 
 
-def test_resume_sharded_keeps_adamw_step_on_the_cpu_as_torch_does(sharded_saves):
-    """--resume_sharded puts the shards and moments on the run's device, and AdamW's step where torch's own
-    load_state_dict leaves it: on the CPU (only a fused or capturable AdamW moves it). The meta device stands in for
-    the GPU: loaded with map_location=device, the step went there."""
-    units = common.sharded_checkpoint.load_sharded(str(sharded_saves[1, 1337]), 0, torch.device("meta"))
-    assert all(u["local_shard"].is_meta and u["exp_avg"].is_meta and u["exp_avg_sq"].is_meta for u in units)
-    saved = torch.load(_rank_file(sharded_saves[1, 1337], 0), weights_only=True)["units"][0]  # as written
-    param = torch.nn.Parameter(torch.empty(saved["local_shard"].shape, device="meta"))
-    adamw = torch.optim.AdamW([param])  # torch's convention: load its state onto a parameter on the device
-    adamw.load_state_dict({"state": {0: saved}, "param_groups": adamw.state_dict()["param_groups"]})
-    assert adamw.state[param]["exp_avg"].is_meta and adamw.state[param]["step"].device == torch.device("cpu")
-    assert all(u["step"].device == torch.device("cpu") and torch.equal(u["step"], saved["step"]) for u in units)
+def test_resume_sharded_puts_adamw_step_where_torch_does(sharded_saves, monkeypatch):
+    """--resume_sharded through the script's own strategy and optimizer (its fused ShardedAdamW), on the meta device
+    in the GPU's stead, as rank 0 of the 2 that saved: the shards and moments on the device, and AdamW's step where
+    torch's own load_state_dict puts it for the same optimizer: on the device, as float32 (the fused CUDA kernel
+    reads it there). load_sharded leaves the step on the CPU, as saved; set_adamw_state moves it."""
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    args = parse_args("fsdp", add_fsdp_flags, TINY + ["--resume_sharded", str(sharded_saves[1, 1337])])
+    strategy = FSDP(gpt_config(args), args, torch.device("meta"))
+    optimizer = strategy.configure_optimizer(args)
+    assert isinstance(optimizer, ShardedAdamW) and optimizer.param_groups[0]["fused"]
+    saved = torch.load(_rank_file(sharded_saves[1, 1337], 0), weights_only=True)["units"]  # as written
+    assert all(u["step"].device == torch.device("cpu") for u in saved)
+    reference = ShardedAdamW(strategy.units, args)  # torch's convention, on the same shards
+    states = {i: {k: v for k, v in unit.items() if k != "local_shard"} for i, unit in enumerate(saved)}
+    reference.load_state_dict({"state": states, "param_groups": reference.state_dict()["param_groups"]})
+    for unit in strategy.units:
+        ours, theirs = optimizer.state[unit.local_shard], reference.state[unit.local_shard]
+        assert unit.local_shard.is_meta and list(ours) == list(theirs) == ["step", "exp_avg", "exp_avg_sq"]
+        assert all((ours[k].device, ours[k].dtype) == (theirs[k].device, theirs[k].dtype) for k in ours), ours
+        assert ours["step"].is_meta and ours["step"].dtype == torch.float32
 
 
 def _mix(saves, sharded, other):  # rank 1's file of another save put into the published folder

@@ -1,6 +1,7 @@
-"""hybrid_train.py: the grid without a model, bad grids, and the ledgers (model state and the bytes each axis
-moves) on 8 ranks. Parity with single-process training, at 4 and 8 ranks, custom and PyTorch's, and the
-checkpoint resumed at another grid: tests/test_parity.py (test_hybrid_parity)."""
+"""hybrid_train.py: the grid without a model, bad grids, every gradient of one step at dp 2 x tp 2 against one
+process, and the ledgers (model state and the bytes each axis moves) on 8 ranks. Parity with single-process
+training, at 4 and 8 ranks, custom and PyTorch's, and the checkpoint resumed at another grid: tests/test_parity.py
+(test_hybrid_parity)."""
 import itertools
 import math
 import os
@@ -10,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import TINY, refusal, spawn
-from hybrid_train import (AXES, GROUPS, add_hybrid_flags, axis_groups, check_hybrid_args, grid_error, rank_grid,
-                          shard_dim, tied_pairs)
+from hybrid_train import (AXES, GROUPS, Hybrid, add_hybrid_flags, axis_groups, check_hybrid_args, grid_error,
+                          rank_grid, shard, shard_dim, tied_pairs)
 from common.config import gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import BEFORE_2_13, torch_name
@@ -92,6 +93,65 @@ def test_bad_input(nproc, flags, named, tmp_path, monkeypatch, capsys):
     line = refusal("hybrid_train.py", nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags,
                    monkeypatch, capsys)
     assert named in line, line
+
+
+# ---- the gradients: one optimizer step of the real Hybrid at dp 2 x tp 2, against one process ------------------
+
+# 2 micro-steps of 2 micro-batches: the loss scale 1/(M*A*dp*cp) has every factor but cp's (1 here) at 2
+GRADIENT_FLAGS = TINY + ["--device", "cpu", "--data_parallel_size", "2", "--tensor_parallel_size", "2",
+                         "--grad_accum_steps", "2", "--n_microbatches", "2"]  # cpu: fp32 by default
+
+
+def _gradients(rank, world_size):
+    return {sp: _gradients_vs_one_process(rank, world_size, sp) for sp in (False, True)}
+
+
+def _gradients_vs_one_process(rank, world_size, sequence_parallel):
+    """Hybrid.forward_backward on this rank's rows in A micro-steps, as main() splits the batch; returns the largest
+    difference of each of this rank's gradients from its slice (shard()) of one process's gradient on the whole
+    batch, and the strategy's global norm beside one process's."""
+    args = parse_args("hybrid", add_hybrid_flags, GRADIENT_FLAGS + ["--sequence_parallel", str(sequence_parallel)])
+    D = check_hybrid_args(args, world_size)
+    config = gpt_config(args)
+    strategy = Hybrid(config, args, torch.device("cpu"))
+    B, A = args.batch_size, args.grad_accum_steps
+    x, y = get_batch("train", 0, B, args.block_size, args.seed)
+    dp_rank, rows = rank * D // world_size, B // D
+    micro = rows // A
+    mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
+    for j in range(A):
+        part = slice(mine.start + j * micro, mine.start + (j + 1) * micro)
+        strategy.forward_backward(x[part], y[part], sync=j == A - 1)
+    norm = strategy.clip_grad_norm_(0).item()  # 0: measure only
+
+    reference = GPT(config, seed=args.seed)
+    reference(x, y)[1].backward()
+    full = dict(reference.named_parameters())  # the tied wte/lm_head once
+    tp = strategy.tp
+    diffs = {}
+    for name, p in strategy.model.named_parameters():
+        expected = shard(name, full[name].grad, tp.rank, tp.size)
+        diffs[name] = (p.grad - expected).abs().max().item()
+    ref_norm = torch.stack([p.grad.square().sum() for p in full.values()]).sum().sqrt().item()
+    return diffs, sorted(full), norm, ref_norm
+
+
+@pytest.fixture(scope="module")
+def gradients():
+    return spawn(_gradients, 4)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sequence_parallel"])
+def test_gradients_equal_one_process(gradients, sequence_parallel):
+    """Every rank holds its TP slice of every gradient of one process on the whole batch (the tied wte/lm_head: its
+    vocabulary rows of both paths' sum): the dp x cp buckets' mean, with SP the replicated parameters' TP sum. A
+    gradient off by a factor of the loss scale's M*A*dp*cp fails here, as the losses of a clipped AdamW run cannot."""
+    for rank, r in enumerate(gradients):
+        diffs, names, norm, ref_norm = r[sequence_parallel]
+        assert sorted(diffs) == names, (rank, sorted(diffs))  # a single stage: every gradient, nothing more
+        worst = max(diffs, key=diffs.get)
+        assert diffs[worst] <= 1e-6, (rank, worst, diffs[worst])
+        assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (rank, norm, ref_norm)
 
 
 # ---- the ledgers: per rank, one micro-step of the real Hybrid at tp 2 x pp 2 x cp 2 ------------------------

@@ -3,6 +3,8 @@
 - resume: 6 steps, then resume to 15, equals 15 uninterrupted steps bit for bit (fp32, CPU), for
   every script;
 - every script's checkpoint at step 6, custom and PyTorch's, is the same full state as ddp's;
+- resume puts AdamW's step where torch's own load_state_dict does for the optimizer built (fused: on the
+  parameter's device, the meta device standing in for the GPU);
 - cross-strategy resume: a full checkpoint from one script continues in another and matches the
   single-process reference within the parity tolerance; PyTorch's implementations (cp's needs CUDA)
   save the checkpoint and resume from it;
@@ -24,9 +26,12 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import (CUT, PARITY, PARITY_STEPS, REPO, cut_args, free_port, launch, peer_needs, read_metrics,
                       refusal, step_losses, the_one_error)
+from common.checkpoint import set_adamw_state
+from common.model import configure_optimizer
 
 SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py"]
 TORCH_ON_CPU = SCRIPTS[:5]  # cp's PyTorch implementation needs CUDA SDPA kernels (tests/test_cp.py)
@@ -134,6 +139,76 @@ def test_every_cut_checkpoint_is_the_same_full_state(script, implementation, sha
     for a, b in pairs:
         assert a.dtype == b.dtype and a.device.type == b.device.type == "cpu"
         assert (a - b).abs().max() <= STATE_TOL * b.abs().max()
+
+
+# AdamW's `step` on resume. Every resume puts the optimizer state in by hand (set_adamw_state), and must put `step`
+# where torch's own AdamW.load_state_dict does for the same optimizer: a fused or capturable AdamW reads it on the
+# parameter's device as float32 (the fused CUDA kernel dereferences it there, and nothing checks that it is), any
+# other on the CPU, as saved. The meta device stands in for the GPU.
+ADAMWS = {
+    "the scripts'": lambda params: configure_optimizer(params, 0.1, 1e-3, (0.9, 0.95)),  # fused (FUSED_ADAMW)
+    "fused": lambda params: torch.optim.AdamW([p for _, p in params], fused=True),
+    "capturable": lambda params: torch.optim.AdamW([p for _, p in params], capturable=True),
+    "for-loop": lambda params: torch.optim.AdamW([p for _, p in params], foreach=False),
+}
+
+
+def _adamw_states(adamw, device, make_param=torch.nn.Parameter):
+    """(the state set_adamw_state puts in, the one torch's load_state_dict puts in) for two parameters (a weight,
+    decayed, and a bias, not: two groups in the scripts' AdamW) on `device`, from a checkpoint's CPU state with a
+    float32 and a float64 step."""
+    shapes = {"weight": (4, 3), "bias": (4,)}
+    saved = {name: {"step": torch.tensor(6.0, dtype=torch.float32 if name == "weight" else torch.float64),
+                    "exp_avg": torch.randn(shape), "exp_avg_sq": torch.rand(shape)} for name, shape in shapes.items()}
+    ours, theirs = ([(n, make_param(torch.zeros(s, device=device))) for n, s in shapes.items()] for _ in range(2))
+    optimizer = ADAMWS[adamw](ours)
+    for name, p in ours:
+        set_adamw_state(optimizer, p, saved[name], lambda full, p=p: full.to(p.device, copy=True))
+    reference = ADAMWS[adamw](theirs)
+    names = {id(p): name for name, p in theirs}
+    in_order = [names[id(p)] for group in reference.param_groups for p in group["params"]]  # state_dict's ids
+    reference.load_state_dict({"state": {i: saved[name] for i, name in enumerate(in_order)},
+                               "param_groups": reference.state_dict()["param_groups"]})
+    return [optimizer.state[p] for _, p in ours], [reference.state[p] for _, p in theirs], saved
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+@pytest.mark.parametrize("adamw", ADAMWS)
+def test_resume_puts_adamw_step_where_torch_load_state_dict_does(adamw, device):
+    """set_adamw_state, which every script's resume calls (--resume, --resume_from, a torchrun restart and fsdp's
+    --resume_sharded), against torch's AdamW.load_state_dict for the same optimizer: each state tensor a plain
+    tensor of the same device and dtype, and on the CPU the same value (the fused float32 step keeps its bits, so
+    a CPU resume is unchanged), copied, not the checkpoint's own tensor."""
+    ours, theirs, saved = _adamw_states(adamw, device)
+    for mine, torchs, name in zip(ours, theirs, ("weight", "bias")):
+        assert list(mine) == list(torchs) == ["step", "exp_avg", "exp_avg_sq"]
+        for key in mine:
+            assert type(mine[key]) is torch.Tensor and mine[key] is not saved[name][key]
+            assert (mine[key].device, mine[key].dtype) == (torchs[key].device, torchs[key].dtype), (name, key)
+            assert device == "meta" or torch.equal(mine[key], torchs[key])
+        fused_or_capturable = adamw != "for-loop"
+        assert mine["step"].device == torch.device(device if fused_or_capturable else "cpu"), mine["step"].device
+
+
+def test_resume_puts_a_dtensor_parameters_adamw_step_on_its_local_device_as_a_plain_tensor():
+    """PyTorch's fsdp and hybrid peers resume DTensor parameters: a fused AdamW's step goes to the local tensor's
+    device (meta here, with a meta local tensor on a one-rank CPU mesh), as a plain tensor, as torch's
+    load_state_dict puts it; a for-loop AdamW's stays on the CPU."""
+    from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def as_dtensor(local):
+            return torch.nn.Parameter(DTensor.from_local(local, mesh, [Replicate()], run_check=False))
+        for adamw, device in (("the scripts'", "meta"), ("for-loop", "cpu")):
+            ours, theirs, _ = _adamw_states(adamw, "meta", as_dtensor)
+            for mine, torchs in zip(ours, theirs):
+                assert type(mine["step"]) is type(torchs["step"]) is torch.Tensor
+                assert mine["step"].device == torchs["step"].device == torch.device(device)
+                assert mine["step"].dtype == torchs["step"].dtype
+    finally:
+        dist.destroy_process_group()
 
 
 def _pids_of_rank(out_dir, rank):
@@ -318,7 +393,8 @@ def test_device_auto_with_more_local_ranks_than_gpus_is_one_clear_error(tmp_path
     """The README's first command on a 1-GPU machine: 2 local ranks, 1 GPU (faked), no CUDA_VISIBLE_DEVICES,
     so both ranks see the same GPU. (One GPU per rank, each its own: tests/test_clusters.py.)"""
     (tmp_path / "sitecustomize.py").write_text(
-        "import torch\ntorch.cuda.is_available = lambda: True\ntorch.cuda.device_count = lambda: 1\n")
+        "import torch\ntorch.cuda.is_available = lambda: True\ntorch.cuda.device_count = lambda: 1\n"
+        "torch.cuda.is_bf16_supported = lambda including_emulation=True: True\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert the_one_error("ddp_train.py", 2, ["--max_iters", "1", "--out_dir", str(tmp_path / "out")]) == (

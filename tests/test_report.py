@@ -8,13 +8,15 @@ from conftest import REPO
 from common import report
 
 
-def fake_run(runs, name, losses, exit_code=0, tokens_per_sec=1000.0, summary=True):
+def fake_run(runs, name, losses, exit_code=0, tokens_per_sec=1000.0, summary=True, norms=None, evals=()):
     run = runs / name
     run.mkdir()
     (run / "exit_code").write_text(f"{exit_code}\n")
     with open(run / "metrics.jsonl", "w") as f:
         for step, loss in enumerate(losses):
-            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+            f.write(json.dumps({"step": step, "loss": loss, "grad_norm": (norms or [2.0] * len(losses))[step]}) + "\n")
+        for step, train, val in evals:
+            f.write(json.dumps({"step": step, "train_loss": train, "val_loss": val}) + "\n")
         if summary:
             f.write(json.dumps({"summary": True, "tokens_per_sec": tokens_per_sec,
                                 "peak_mem_bytes_per_rank": [2**20, 2**21],
@@ -40,6 +42,19 @@ def test_smoke_fails_on_divergence_crash_or_missing_reference(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert report.smoke(str(empty)) == 1
+
+
+def test_smoke_compares_grad_norms_and_evaluations(tmp_path, capsys):
+    evals = [(0, 10.0, 10.1), (2, 9.0, 9.2)]
+    fake_run(tmp_path, "reference", [10.0, 9.0], norms=[3.0, 2.0], evals=evals)
+    fake_run(tmp_path, "ddp-custom", [10.0, 9.0], norms=[3.0, 2.00001], evals=evals)  # within 1e-4 relative
+    assert report.smoke(str(tmp_path)) == 0
+    fake_run(tmp_path, "fsdp-custom", [10.0, 9.0], norms=[6.0, 4.0], evals=evals)  # a gradient 2x off
+    fake_run(tmp_path, "tp-custom", [10.0, 9.0], norms=[3.0, 2.0], evals=[(0, 10.0, 10.1), (2, 9.0, 9.3)])
+    fake_run(tmp_path, "pp-custom", [10.0, 9.0], norms=[3.0, 2.0], evals=evals[:1])  # no final evaluation
+    assert report.smoke(str(tmp_path)) == 1
+    out = capsys.readouterr().out
+    assert out.count("DIVERGED") == 3 and "FAILED: fsdp-custom, pp-custom, tp-custom" in out
 
 
 def test_bench_ratios_use_the_median_of_alternating_rounds(tmp_path, capsys):

@@ -45,6 +45,23 @@ def _build(rank, world_size, config, threshold, prefetch=True, reuse=0, dtype=to
     return model, reducer, ParamFetcher(model, by_param, rank, masters, prefetch, reuse)
 
 
+def _strategy(threshold, prefetch=True, accum=1, reuse=0, dtype="float32"):
+    """zero3_train.py's ZeRO3 for CONFIG (seed 0), as main() builds it."""
+    args = parse_args("zero3", add_zero3_flags, ["--device", "cpu", "--seed", "0", "--persistence_threshold",
+                                                 str(threshold), "--prefetch", str(prefetch), "--grad_accum_steps",
+                                                 str(accum), "--max_reuse_distance", str(reuse), "--dtype", dtype])
+    return ZeRO3(CONFIG, args, torch.device("cpu"))
+
+
+def _micro_steps(strategy, x, y):
+    """One optimizer step's micro-steps on this rank's rows through the strategy's own forward_backward (its loss
+    scaling, fetches and reduces), as main() runs them."""
+    accum = strategy.args.grad_accum_steps
+    micro = x.size(0) // accum
+    for j in range(accum):
+        strategy.forward_backward(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro], j == accum - 1)
+
+
 def _rows(rank, world_size, config, batch=8, step=0):
     x, y = get_batch("train", step, batch, config.block_size, seed=0)
     x, y = x % config.vocab_size, y % config.vocab_size  # BALANCED's vocabulary is tiny
@@ -216,9 +233,10 @@ def _one_process_reference():
 
 
 def _gradients_vs_one_process(rank, world_size, threshold, prefetch, accum, reuse):
-    model, reducer, fetcher = _build(rank, world_size, CONFIG, threshold, prefetch, reuse)
+    strategy = _strategy(threshold, prefetch, accum, reuse)
+    model, reducer = strategy.model, strategy.reducer
     x, y = _rows(rank, world_size, CONFIG)
-    _backward(model, reducer, fetcher, x, y, accum, world_size)
+    _micro_steps(strategy, x, y)
     ref = _one_process_reference()
     names = {p: n for n, p in model.named_parameters()}
     weights = max((p - ref[names[p]]).abs().max().item() for p in reducer.owned + reducer.persistent)
@@ -232,13 +250,14 @@ def _bf16_accumulated_gradients(rank, world_size, accum=2):
     """bf16 with accumulation, two steps, the gradients zeroed in place between them as the loop does: the first
     micro-step's gradient replaces the zeros, the next ones add to it. Returns the owned gradients' largest error
     relative to the largest gradient of the fp32 one-process reference (the same rows both steps)."""
-    model, reducer, fetcher = _build(rank, world_size, CONFIG, 0, dtype=torch.bfloat16)
+    strategy = _strategy(0, accum=accum, dtype="bfloat16")
+    model, reducer = strategy.model, strategy.reducer
     x, y = _rows(rank, world_size, CONFIG)
     for step in range(2):
         for master in reducer.owned:  # optimizer.zero_grad(set_to_none=False)
             if master.grad is not None:
                 master.grad.zero_()
-        _backward(model, reducer, fetcher, x, y, accum, world_size, torch.bfloat16)
+        _micro_steps(strategy, x, y)
     ref = _one_process_reference()
     names = {reducer.masters[p]: n for n, p in model.named_parameters() if p in reducer.masters}
     scale = max(p.grad.abs().max().item() for p in ref.values())
