@@ -17,9 +17,10 @@ import os
 import statistics
 import sys
 
-SMOKE_TOL = 1e-4  # a run "diverges" when a step's or evaluation's loss is further than this from the
-# reference's, or a step's pre-clip grad norm relatively further (a gradient N times off trains to the same
-# losses under AdamW and a clip that fires; only its norm shows it)
+# A run "diverges" when a step's or an evaluation's loss is further than this from the reference's,
+# or a step's pre-clip grad norm relatively further (a gradient N times off trains to the same
+# losses under AdamW and a clip that fires: only its norm shows it).
+SMOKE_TOL = 1e-4
 # The GPU rows: bf16 against a bf16 reference. Each script rounds to bf16 at its own places (fsdp
 # gathers bf16 parameters, the pipeline sends bf16 activations) and CUDA's kernels sum in their own
 # orders; bf16 against fp32 measured up to 6e-4 over 15 steps on CPU (tests/test_bf16.py, whose
@@ -29,7 +30,8 @@ GPU_BF16_TOL = 5e-3
 
 
 def load(run_dir):
-    run = {"exit_code": None, "losses": [], "norms": [], "evals": {}, "summary": None, "device": "-"}
+    run = {"exit_code": None, "losses": [], "norms": [], "evals": {}, "summary": None,
+           "device": "-"}
     code = os.path.join(run_dir, "exit_code")
     if os.path.exists(code):
         run["exit_code"] = int(open(code).read().strip() or 1)
