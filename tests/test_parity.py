@@ -109,7 +109,7 @@ STRATEGIES = [
     ("ddp_train.py", "pytorch", 2, []),
     ("ddp_train.py", "custom", 2, ["--grad_accum_steps", "2"]),
     ("ddp_train.py", "pytorch", 2, ["--grad_accum_steps", "2"]),
-    ("ddp_train.py", "custom", 2, ["--compile"]),  # the whole model compiled
+    ("ddp_train.py", "custom", 2, ["--compile"]),  # each block and the head compiled (COMPILED below)
 ]
 
 
