@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from common import flash
 from common.checkpoint import (checkpoint, model_state_on_cpu, optimizer_state_by_name, resume,
                                set_adamw_state)
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
@@ -108,42 +109,8 @@ class CPGroup:
 # merge exactly: lse = logaddexp(lse_a, lse_b), out = out_a exp(lse_a-lse) + out_b exp(lse_b-lse).
 # Shapes: B rows, nh heads, hs head size, T/cp this rank's positions; a window keeps the last
 # queries = T/cp - first of them, and the first `keys` keys of the key block.
-# A block is the explicit fp32 math below, or SDPA's fused flash kernel, which returns the lse
-# too and never builds the (queries x keys) scores: on CUDA in bf16/fp16 within the kernel's
-# limits, unless --deterministic (the flash backward sums dQ/dK/dV with atomics, in any order).
-FUSED = None  # True/False: force the choice (tests: the CPU flash kernel in fp32)
-aten = torch.ops.aten
-
-
-def fused(q):
-    if FUSED is not None:
-        return FUSED
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.size(-1) <= 256
-            and torch.cuda.get_device_capability(q.device) >= (8, 0)  # flash: Ampere on
-            and not torch.are_deterministic_algorithms_enabled())
-
-
-def fused_block_attention(q, k, v, causal, scale):
-    """One block by the flash kernel, inputs in their dtype: out (q's dtype), lse (B, nh, queries,
-    1) fp32, and what the CUDA kernel's backward wants back (cum_seq_q/k, max_q/k, philox seed
-    and offset: kept and passed back as torch's own ring attention does)."""
-    if q.is_cuda:
-        out, lse, *rest = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal,
-                                                                   scale=scale)
-        return out, lse.unsqueeze(-1), rest[:6]  # rest[6]: the debug mask, not asked for
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse.unsqueeze(-1), []
-
-
-def fused_block_backward(dout, q, k, v, out, lse, causal, scale, rest):
-    """dq, dk, dv of one block by the flash kernel, from the FINAL out and lse of these queries:
-    its exp(s - lse) and dS = P (dP - rowsum(dout * out)) are the block's share, as below."""
-    args = dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.squeeze(-1).contiguous()
-    if q.is_cuda:
-        return aten._scaled_dot_product_flash_attention_backward(
-            *args, *rest[:4], 0.0, causal, *rest[4:], scale=scale)
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, 0.0, causal,
-                                                                     scale=scale)
+# A block is the explicit fp32 math below, or, on CUDA in bf16, SDPA's fused flash kernel, which
+# returns the lse too (common/flash.py: its plumbing).
 
 
 def block_forward(q, kv, window, out, lse, scale):
@@ -156,8 +123,8 @@ def block_forward(q, kv, window, out, lse, scale):
     q, k, v = q[..., first:, :], kv[0, ..., :keys, :], kv[1, ..., :keys, :]  # the window's
     rest = None
     with timers("attention"), torch.autocast(q.device.type, enabled=False):
-        if fused(q):  # a mask is the causal triangle of a square window (CPGroup asserts it)
-            block_out, block_lse, rest = fused_block_attention(q, k, v, mask is not None, scale)
+        if flash.fused(q):  # a mask: the causal triangle of a square window (CPGroup asserts it)
+            block_out, block_lse, rest = flash.block_attention(q, k, v, mask is not None, scale)
         else:  # fp32 math, whatever the inputs
             scores = q.float() @ k.float().transpose(-2, -1) * scale  # (B, nh, queries, keys)
             if mask is not None:
@@ -183,8 +150,8 @@ def block_backward(q, kv, window, dout, out, lse, dq, scale, rest):
     q, k, v = q[..., first:, :], kv[0, ..., :keys, :], kv[1, ..., :keys, :]  # the window's
     dout, out, lse = dout[..., first:, :], out[..., first:, :], lse[..., first:, :]
     with timers("attention"), torch.autocast(q.device.type, enabled=False):
-        if fused(q):
-            dq_kept, dk, dv = fused_block_backward(dout, q, k, v, out, lse, mask is not None,
+        if flash.fused(q):
+            dq_kept, dk, dv = flash.block_backward(dout, q, k, v, out, lse, mask is not None,
                                                    scale, rest)
         else:  # fp32 math
             q, k, v, dout = q.float(), k.float(), v.float(), dout.float()

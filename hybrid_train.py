@@ -56,6 +56,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common import flash
 from common.checkpoint import checkpoint, gather_to_rank0, resume, set_adamw_state
 from common.config import add_bool, die, get_lr, gpt_config, parse_args
 from common.data import Batches, get_batch
@@ -351,42 +352,58 @@ class CPGroup:
 
 
 def block_forward(q, kv, window, out, lse, scale):
-    """Attends my queries to one key block in fp32 and merges the result into out, lse in place
-    (lse = log sum exp of the scores: two blocks' softmaxes merge exactly by it). q, out: (b,
-    nh/tp, T/cp, hs); kv: (2, b, nh/tp, T/cp, hs); lse: (b, nh/tp, T/cp, 1)."""
+    """Attends my queries to one key block and merges the result into out, lse in place (lse = log
+    sum exp of the scores: two blocks' softmaxes merge exactly by it); returns what the flash
+    kernel's backward wants back. q: (b, nh/tp, T/cp, hs); out: the same in fp32; kv: (2, b,
+    nh/tp, T/cp, hs); lse: (b, nh/tp, T/cp, 1). fp32 math, or on CUDA in bf16 the flash kernel
+    (common/flash.py), as cp_train.py."""
     first, keys, mask = window
     if keys == 0 or first == q.size(-2):
-        return
-    q, k, v = q[..., first:, :].float(), kv[0, ..., :keys, :].float(), kv[1, ..., :keys, :].float()
-    scores = q @ k.transpose(-2, -1) * scale  # (b, nh/tp, queries, keys)
-    if mask is not None:
-        scores = scores.masked_fill(mask, float("-inf"))
-    block_lse = scores.logsumexp(-1, keepdim=True)
-    block_out = (scores - block_lse).exp() @ v
-    new_lse = torch.logaddexp(lse[..., first:, :], block_lse)
-    old_out = out[..., first:, :] * (lse[..., first:, :] - new_lse).exp()
-    out[..., first:, :] = old_out + block_out * (block_lse - new_lse).exp()
-    lse[..., first:, :] = new_lse
+        return None
+    q, k, v = q[..., first:, :], kv[0, ..., :keys, :], kv[1, ..., :keys, :]  # the window's
+    rest = None
+    with torch.autocast(q.device.type, enabled=False):
+        if flash.fused(q):  # a mask: the causal triangle of a square window
+            block_out, block_lse, rest = flash.block_attention(q, k, v, mask is not None, scale)
+        else:
+            scores = q.float() @ k.float().transpose(-2, -1) * scale  # (b, nh/tp, queries, keys)
+            if mask is not None:
+                scores = scores.masked_fill(mask, float("-inf"))
+            block_lse = scores.logsumexp(-1, keepdim=True)
+            block_out = (scores - block_lse).exp() @ v.float()
+        new_lse = torch.logaddexp(lse[..., first:, :], block_lse)
+        old_out = out[..., first:, :] * (lse[..., first:, :] - new_lse).exp()
+        out[..., first:, :] = old_out + block_out.float() * (block_lse - new_lse).exp()
+        lse[..., first:, :] = new_lse
+    return rest
 
 
-def block_backward(q, kv, window, dout, out, lse, dq, scale):
+def block_backward(q, kv, window, dout, out, lse, dq, scale, rest):
     """Adds this key block's part of dq in place; returns its [dK; dV]. exp(s - lse) with the final
-    lse is the block's share of the whole softmax, so no merging is needed."""
+    lse is the block's share of the whole softmax, so no merging is needed. rest: what
+    block_forward returned for this block."""
     first, keys, mask = window
     dkv = torch.zeros(kv.shape, device=q.device)  # (2, b, nh/tp, T/cp, hs)
     if keys == 0 or first == q.size(-2):
         return dkv
-    q, k, v = q[..., first:, :].float(), kv[0, ..., :keys, :].float(), kv[1, ..., :keys, :].float()
-    dout, out, lse = dout[..., first:, :].float(), out[..., first:, :], lse[..., first:, :]
-    scores = q @ k.transpose(-2, -1) * scale
-    if mask is not None:
-        scores = scores.masked_fill(mask, float("-inf"))
-    probs = (scores - lse).exp()
-    delta = (dout * out).sum(-1, keepdim=True)
-    ds = probs * (dout @ v.transpose(-2, -1) - delta) * scale
-    dq[..., first:, :] += ds @ k
-    dkv[0, ..., :keys, :] = ds.transpose(-2, -1) @ q
-    dkv[1, ..., :keys, :] = probs.transpose(-2, -1) @ dout
+    q, k, v = q[..., first:, :], kv[0, ..., :keys, :], kv[1, ..., :keys, :]  # the window's
+    dout, out, lse = dout[..., first:, :], out[..., first:, :], lse[..., first:, :]
+    with torch.autocast(q.device.type, enabled=False):
+        if flash.fused(q):
+            dq_kept, dk, dv = flash.block_backward(dout, q, k, v, out, lse, mask is not None,
+                                                   scale, rest)
+        else:
+            q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
+            scores = q @ k.transpose(-2, -1) * scale
+            if mask is not None:
+                scores = scores.masked_fill(mask, float("-inf"))
+            probs = (scores - lse).exp()
+            delta = (dout * out).sum(-1, keepdim=True)
+            ds = probs * (dout @ v.transpose(-2, -1) - delta) * scale
+            dq_kept, dk, dv = ds @ k, ds.transpose(-2, -1) @ q, probs.transpose(-2, -1) @ dout
+        dq[..., first:, :] += dq_kept
+        dkv[0, ..., :keys, :] = dk
+        dkv[1, ..., :keys, :] = dv
     return dkv
 
 
@@ -412,14 +429,15 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros_like(q, dtype=torch.float32)
         lse = torch.full(q.shape[:-1] + (1,), float("-inf"), device=q.device)
         scale = q.size(-1) ** -0.5
+        ctx.cp, ctx.rests = cp, []  # rests: what each step's flash kernel wants back
         for i in range(cp.size):  # step i: the block of CP rank - i; the next one on the wire
             if i < cp.size - 1:
                 received, works = pass_to_next(kv, cp)
-            block_forward(q, kv, cp.windows[(cp.rank - i) % cp.size], out, lse, scale)
+            window = cp.windows[(cp.rank - i) % cp.size]
+            ctx.rests.append(block_forward(q, kv, window, out, lse, scale))
             if i < cp.size - 1:
                 wait(works)
                 kv = received
-        ctx.cp = cp
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
 
@@ -439,7 +457,7 @@ class RingAttention(torch.autograd.Function):
             if i >= 2:
                 carried_in, carried_works = pass_to_next(carried, cp)
             window = cp.windows[(cp.rank - i) % cp.size]
-            dkv = block_backward(q, kv, window, dout, out, lse, dq, scale)
+            dkv = block_backward(q, kv, window, dout, out, lse, dq, scale, ctx.rests[i])
             if i >= 2:
                 wait(carried_works)
             if i == 0:

@@ -69,7 +69,7 @@ from common.recompute import checkpoint_blocks
 import peers.torch_zero3
 
 
-# ---- stage 1: the AdamW state sharded; gradients all-reduced in ddp_train.py's buckets -----
+# ---- stage 1: the AdamW state sharded; gradients in ddp_train.py's buckets (end of file) ----
 
 def partition(named_shapes, world_size, persistence_threshold):
     """{name: owner rank, or None for a persistent (replicated) tensor}, and the elements per rank.
@@ -84,111 +84,6 @@ def partition(named_shapes, world_size, persistence_threshold):
             owner[name] = min(range(world_size), key=lambda r: load[r])
             load[owner[name]] += sizes[name]
     return owner, load
-
-
-class Bucket:
-    """One flat gradient buffer; the .grad of each of its parameters is a view into it, so autograd
-    accumulates straight into the buffer and the all-reduce needs no copy in or out."""
-
-    def __init__(self, params):
-        self.params = params
-        numel = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        offset = 0
-        for p in params:
-            view = self.buffer[offset: offset + p.numel()].view_as(p)
-            if p.grad is not None:
-                view.copy_(p.grad)  # rebuilt mid-accumulation: keep what was accumulated
-            p.grad = view
-            offset += p.numel()
-        self.pending = len(params)  # gradients not yet accumulated in this backward
-        self.work = None            # the in-flight async all-reduce
-
-
-class GradientBuckets:
-    """Sums gradients over the ranks of `group` during backward: their mean, when each rank has
-    divided its loss by the number of ranks before backward.
-
-    Call `finish_backward()` after every backward. Set `require_sync = False` BEFORE the forward of
-    a micro-step that should only accumulate locally (gradient accumulation; DDP's no_sync): those
-    micro-steps send nothing, and the last micro-step's all-reduce carries the sum of them all."""
-
-    def __init__(self, model, bucket_cap_mb, group=None):
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.cap = int(bucket_cap_mb * 2**20)  # bytes
-        self.group = group
-        self.require_sync = True
-        self.ready_order = []  # the order gradients became ready in the first backward
-        self._make_buckets(self.params[::-1])  # first guess: backward runs roughly in reverse
-        # The hook holds the buckets weakly: a parameter keeps its hooks in C++, out of sight of
-        # Python's garbage collector, so param -> hook -> buckets -> param would never be freed.
-        buckets = weakref.ref(self)
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(lambda p: buckets()._grad_ready(p))
-
-    def _make_buckets(self, order):
-        groups, current, size = [], [], 0
-        for p in order:
-            nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > self.cap:  # a tensor over the cap: a bucket of its own
-                groups.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        groups.append(current)
-        self.buckets = [Bucket(g) for g in groups]
-        self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
-        self.next = 0  # the next bucket to all-reduce: buckets go on the wire in index order
-
-    def _grad_ready(self, p):
-        # Runs inside backward, right after p.grad has been accumulated. A parameter used twice
-        # (the tied wte/lm_head) gets one call, with both paths already summed by autograd.
-        if self.ready_order is not None:
-            self.ready_order.append(p)
-        self.bucket_of[p].pending -= 1
-        # Every rank must issue the same all-reduces in the same order, so a full bucket waits for
-        # the ones before it (torch DDP's rule too); with buckets in ready order it rarely has to.
-        while self.require_sync and self.next < len(self.buckets):
-            if self.buckets[self.next].pending > 0:
-                break
-            self._all_reduce(self.buckets[self.next])
-
-    def _all_reduce(self, bucket):
-        # Sends the whole bucket (numel x 4 bytes in fp32) to every other rank and receives theirs,
-        # summed: each rank's gradients are already g/N (its loss was divided by N), so afterwards
-        # every rank holds the mean gradient. A SUM, not ReduceOp.AVG: gloo's AVG divides after the
-        # sum, one more pass over the bucket on the step's critical path for the last one (the
-        # tied wte's 25.7 MB; ~1% of a step here). Async: backward keeps computing earlier layers
-        # while it is on the wire.
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-        self.next += 1
-
-    def finish_backward(self):
-        """The one wait at the end of backward (on syncing micro-steps). Parameters that got no
-        gradient (unused in forward) keep a zero gradient; their buckets are reduced here, in order,
-        which is correct as long as every rank has the same unused parameters."""
-        while self.require_sync and self.next < len(self.buckets):
-            self._all_reduce(self.buckets[self.next])
-        for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-                bucket.work = None
-            bucket.pending = len(bucket.params)
-        self.next = 0
-        if self.ready_order is not None:
-            self._rebuild()
-
-    def _rebuild(self):
-        """After the first backward: buckets in the order the gradients became ready, so each bucket
-        fills and leaves as early as it can. Rank 0's order is broadcast (8 bytes a parameter):
-        every rank must build the same buckets, whatever order its own autograd happened to use."""
-        index = {p: i for i, p in enumerate(self.params)}
-        seen = [index[p] for p in dict.fromkeys(self.ready_order)]  # first readiness, no repeats
-        unseen = [i for i in range(len(self.params)) if i not in set(seen)]  # unused: at the end
-        order = torch.tensor(seen + unseen, device=self.params[0].device)
-        dist.broadcast(order, group=self.group, group_src=0)
-        self.ready_order = None
-        self._make_buckets([self.params[i] for i in order.tolist()])
 
 
 def flatten_(tensors):
@@ -820,6 +715,113 @@ def print_partition(owner, load, persistent_bytes, theirs=None):
     if 0 in [owners.count(r) for r in range(len(load))]:
         print(f"warning: some of the {len(load)} ranks own no tensor (fewer partitioned tensors "
               "than ranks, or one tensor dominates); they only receive broadcasts", flush=True)
+
+
+# ---- stage 1's gradient sync: ddp_train.py's buckets, the same text (read the lesson there) --
+
+class Bucket:
+    """One flat gradient buffer; the .grad of each of its parameters is a view into it, so autograd
+    accumulates straight into the buffer and the all-reduce needs no copy in or out."""
+
+    def __init__(self, params):
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        for p in params:
+            view = self.buffer[offset: offset + p.numel()].view_as(p)
+            if p.grad is not None:
+                view.copy_(p.grad)  # rebuilt mid-accumulation: keep what was accumulated
+            p.grad = view
+            offset += p.numel()
+        self.pending = len(params)  # gradients not yet accumulated in this backward
+        self.work = None            # the in-flight async all-reduce
+
+
+class GradientBuckets:
+    """Sums gradients over the ranks of `group` during backward: their mean, when each rank has
+    divided its loss by the number of ranks before backward.
+
+    Call `finish_backward()` after every backward. Set `require_sync = False` BEFORE the forward of
+    a micro-step that should only accumulate locally (gradient accumulation; DDP's no_sync): those
+    micro-steps send nothing, and the last micro-step's all-reduce carries the sum of them all."""
+
+    def __init__(self, model, bucket_cap_mb, group=None):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.cap = int(bucket_cap_mb * 2**20)  # bytes
+        self.group = group
+        self.require_sync = True
+        self.ready_order = []  # the order gradients became ready in the first backward
+        self._make_buckets(self.params[::-1])  # first guess: backward runs roughly in reverse
+        # The hook holds the buckets weakly: a parameter keeps its hooks in C++, out of sight of
+        # Python's garbage collector, so param -> hook -> buckets -> param would never be freed.
+        buckets = weakref.ref(self)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(lambda p: buckets()._grad_ready(p))
+
+    def _make_buckets(self, order):
+        groups, current, size = [], [], 0
+        for p in order:
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > self.cap:  # a tensor over the cap: a bucket of its own
+                groups.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        groups.append(current)
+        self.buckets = [Bucket(g) for g in groups]
+        self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
+        self.next = 0  # the next bucket to all-reduce: buckets go on the wire in index order
+
+    def _grad_ready(self, p):
+        # Runs inside backward, right after p.grad has been accumulated. A parameter used twice
+        # (the tied wte/lm_head) gets one call, with both paths already summed by autograd.
+        if self.ready_order is not None:
+            self.ready_order.append(p)
+        self.bucket_of[p].pending -= 1
+        # Every rank must issue the same all-reduces in the same order, so a full bucket waits for
+        # the ones before it (torch DDP's rule too); with buckets in ready order it rarely has to.
+        while self.require_sync and self.next < len(self.buckets):
+            if self.buckets[self.next].pending > 0:
+                break
+            self._all_reduce(self.buckets[self.next])
+
+    def _all_reduce(self, bucket):
+        # Sends the whole bucket (numel x 4 bytes in fp32) to every other rank and receives theirs,
+        # summed: each rank's gradients are already g/N (its loss was divided by N), so afterwards
+        # every rank holds the mean gradient. A SUM, not ReduceOp.AVG: gloo's AVG divides after the
+        # sum, one more pass over the bucket on the step's critical path for the last one (the
+        # tied wte's 25.7 MB; ~1% of a step here). Async: backward keeps computing earlier layers
+        # while it is on the wire.
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        self.next += 1
+
+    def finish_backward(self):
+        """The one wait at the end of backward (on syncing micro-steps). Parameters that got no
+        gradient (unused in forward) keep a zero gradient; their buckets are reduced here, in order,
+        which is correct as long as every rank has the same unused parameters."""
+        while self.require_sync and self.next < len(self.buckets):
+            self._all_reduce(self.buckets[self.next])
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+            bucket.pending = len(bucket.params)
+        self.next = 0
+        if self.ready_order is not None:
+            self._rebuild()
+
+    def _rebuild(self):
+        """After the first backward: buckets in the order the gradients became ready, so each bucket
+        fills and leaves as early as it can. Rank 0's order is broadcast (8 bytes a parameter):
+        every rank must build the same buckets, whatever order its own autograd happened to use."""
+        index = {p: i for i, p in enumerate(self.params)}
+        seen = [index[p] for p in dict.fromkeys(self.ready_order)]  # first readiness, no repeats
+        unseen = [i for i in range(len(self.params)) if i not in set(seen)]  # unused: at the end
+        order = torch.tensor(seen + unseen, device=self.params[0].device)
+        dist.broadcast(order, group=self.group, group_src=0)
+        self.ready_order = None
+        self._make_buckets([self.params[i] for i in order.tolist()])
 
 
 if __name__ == "__main__":

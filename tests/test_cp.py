@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cp_train
 from conftest import TINY, refusal, spawn
+from common import flash
 from common.distributed import torch_name
 from common.metrics import SavedActivations
 from common.model import GPT, GPTConfig
@@ -45,7 +46,7 @@ def _groups(rank, world_size):
 
 def _layer_equals_full_attention(groups, T=24):
     """Max |difference| of out, dq, dk, dv (this rank's positions) from full causal SDPA, per (cp, mode, zigzag,
-    fused): ring and allgather also with cp_train.FUSED forced on (the CPU flash kernel, fp32)."""
+    fused): ring and allgather also with common.flash.FUSED forced on (the CPU flash kernel, fp32)."""
     torch.manual_seed(0)  # the same full tensors on every rank
     q, k, v, dout = (torch.randn(B, H, T, D) for _ in range(4))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -54,12 +55,12 @@ def _layer_equals_full_attention(groups, T=24):
     diffs = {}
     for cp_size, group in groups.items():
         for mode, zigzag, fused in MODES_FUSED:
-            cp_train.FUSED = fused
+            flash.FUSED = fused
             cp = CPGroup(group, T, zigzag, torch.device("cpu"))
             local = [t[:, :, cp.mine].clone().requires_grad_() for t in (q, k, v)]
             y = attention(mode, *local, cp)
             y.backward(dout[:, :, cp.mine])
-            cp_train.FUSED = None
+            flash.FUSED = None
             got, expected = [y] + [t.grad for t in local], [out.detach()] + [t.grad for t in full]
             diffs[cp_size, mode, zigzag, fused] = _max_relative_diff(got, [b[:, :, cp.mine] for b in expected])
     return diffs
@@ -162,7 +163,7 @@ def _blocks_of_rank(q, dout, blocks, windows):
 @pytest.mark.parametrize("cp,zigzag", [(2, True), (2, False), (3, True)])
 def test_fused_blocks_equal_the_math_and_full_attention(cp, zigzag, monkeypatch):
     """Each rank's blocks (whole windows, windows cut to a suffix of queries or a prefix of keys, the causal one on
-    its own block, skipped ones) by the CPU flash kernel (cp_train.FUSED forced on) and by the explicit math: out,
+    its own block, skipped ones) by the CPU flash kernel (common.flash.FUSED forced on) and by the explicit math: out,
     lse, dq and its share of every block's dK,dV, against full causal SDPA on this rank's queries. Backward is
     given the final (merged) out and lse: fed a block's own, it would miss the other blocks' share of the softmax
     (checked: this fails then). Tolerance 2e-6; measured at most 7.9e-7 (math), 5.8e-7 (fused)."""
@@ -181,7 +182,7 @@ def test_fused_blocks_equal_the_math_and_full_attention(cp, zigzag, monkeypatch)
         expected += [torch.stack([full[1].grad[:, :, p], full[2].grad[:, :, p]]) for p in pos]
         blocks = [torch.stack([k[:, :, p], v[:, :, p]]) for p in pos]  # every rank's [K; V]
         for fused in (False, True):
-            monkeypatch.setattr(cp_train, "FUSED", fused)
+            monkeypatch.setattr(flash, "FUSED", fused)
             out, lse, dq, dkv, _ = _blocks_of_rank(q[:, :, mine], dout[:, :, mine], blocks, windows)
             diff = _max_relative_diff([out, lse, dq] + dkv, expected)
             print(f"cp={cp} zigzag={zigzag} rank {r} fused={fused}: max relative difference {diff:.2e}")
@@ -194,31 +195,31 @@ def test_fused_kernel_only_on_cuda_bf16_fp16_and_its_cuda_ops_arguments(monkeypa
     forward returned for cum_seq_q/k, max_q/k and the philox state passed back to backward."""
     called = []
 
-    class Aten:  # cp_train.aten, recording the ops called
+    class Aten:  # common.flash.aten, recording the ops called
         def __getattr__(self, name):
             called.append(name)
             return getattr(torch.ops.aten, name)
-    monkeypatch.setattr(cp_train, "aten", Aten())
+    monkeypatch.setattr(flash, "aten", Aten())
     capability = [(9, 0)]  # an H100's; a V100's (7, 0) has no flash kernel
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability[0])
     with FakeTensorMode():
         kinds = [("cuda", torch.bfloat16), ("cuda", torch.float16), ("cuda", torch.float32), ("cpu", torch.bfloat16)]
-        assert [cp_train.fused(torch.empty(1, D, device=d, dtype=t)) for d, t in kinds] == [True, True, False, False]
-        assert not cp_train.fused(torch.empty(1, 512, device="cuda", dtype=torch.bfloat16))  # head size over 256
+        assert [flash.fused(torch.empty(1, D, device=d, dtype=t)) for d, t in kinds] == [True, True, False, False]
+        assert not flash.fused(torch.empty(1, 512, device="cuda", dtype=torch.bfloat16))  # head size over 256
         capability[0] = (7, 0)
-        assert not cp_train.fused(torch.empty(1, D, device="cuda", dtype=torch.bfloat16))
+        assert not flash.fused(torch.empty(1, D, device="cuda", dtype=torch.bfloat16))
         capability[0] = (9, 0)
         torch.use_deterministic_algorithms(True)  # --deterministic: the math path
         try:
-            assert not cp_train.fused(torch.empty(1, D, device="cuda", dtype=torch.bfloat16))
+            assert not flash.fused(torch.empty(1, D, device="cuda", dtype=torch.bfloat16))
         finally:
             torch.use_deterministic_algorithms(False)
         q, dout = torch.empty(2, B, H, 6, D, device="cuda", dtype=torch.bfloat16).unbind(0)  # a window's 6 queries
         k, v = torch.empty(2, B, H, 12, D, device="cuda", dtype=torch.bfloat16).unbind(0)  # and 12 keys
-        out, lse, rest = cp_train.fused_block_attention(q, k, v, False, D ** -0.5)
+        out, lse, rest = flash.block_attention(q, k, v, False, D ** -0.5)
         assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (B, H, 6, 1), torch.float32)
         assert len(rest) == 6 and rest[2:4] == [6, 12]  # cum_seq_q, cum_seq_k, max_q, max_k, philox seed, offset
-        grads = cp_train.fused_block_backward(dout, q, k, v, out.float(), lse, False, D ** -0.5, rest)
+        grads = flash.block_backward(dout, q, k, v, out.float(), lse, False, D ** -0.5, rest)
         assert [(g.shape, g.dtype) for g in grads] == [(t.shape, t.dtype) for t in (q, k, v)]
     assert called == ["_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"]
 

@@ -154,6 +154,41 @@ def test_gradients_equal_one_process(gradients, sequence_parallel):
         assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (rank, norm, ref_norm)
 
 
+def _ring(rank, world_size, T=24, B=2, H=2, D=8):
+    """hybrid's RingAttention at cp = world_size (zigzag), by the fp32 math and by the flash kernel (common.flash
+    forced on: the CPU's, in fp32), against full causal SDPA on this rank's positions: the largest relative
+    difference of out, dq, dk, dv for each."""
+    from common import flash
+    from hybrid_train import CPGroup, RingAttention
+    torch.manual_seed(0)  # the same full tensors on every rank
+    q, k, v, dout = (torch.randn(B, H, T, D) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*full, is_causal=True)
+    out.backward(dout)
+    cp = CPGroup(dist.group.WORLD, T, torch.device("cpu"))
+    diffs = {}
+    for fused in (False, True):
+        flash.FUSED = fused
+        local = [t[:, :, cp.mine].clone().requires_grad_() for t in (q, k, v)]
+        y = RingAttention.apply(*local, cp)
+        y.backward(dout[:, :, cp.mine])
+        flash.FUSED = None
+        got = [y] + [t.grad for t in local]
+        expected = [out.detach()] + [t.grad for t in full]
+        diffs[fused] = max(((a - b[:, :, cp.mine]).abs().max() / b[:, :, cp.mine].abs().max()).item()
+                           for a, b in zip(got, expected))
+    return diffs
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_ring_attention_math_and_flash_kernel_equal_full_attention(cp):
+    """The CP ring inside hybrid's TP heads takes cp_train.py's two block paths: the fp32 math, and on CUDA in bf16
+    the flash kernel (common/flash.py), checked here with the CPU's flash kernel in fp32. Tolerance 2e-6, as
+    tests/test_cp.py's for the same blocks."""
+    for rank, diffs in enumerate(spawn(_ring, cp)):
+        assert max(diffs.values()) <= 2e-6, (cp, rank, diffs)
+
+
 # ---- the ledgers: per rank, one micro-step of the real Hybrid at tp 2 x pp 2 x cp 2 ------------------------
 
 LEDGER_FLAGS = TINY + ["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2", "--context_parallel_size", "2",
