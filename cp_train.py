@@ -2,29 +2,17 @@
 
 The cp ranks of a context-parallel group split the sequence: each holds T/cp positions of every
 row, in every layer. LayerNorm, MLP, the embeddings (at each token's true position) and the loss
-are token-wise and need nothing from the other ranks; only attention does, as a query attends to
-every earlier key. Parameters are replicated, their gradients averaged over all N = D x cp ranks
-as in ddp_train.py.
+are token-wise; only attention needs the other ranks, as a query attends to every earlier key.
+Parameters are replicated, their gradients averaged over all N = D x cp ranks as in ddp_train.py.
 Per layer per rank, B rows of the micro-step, C = n_embd, fp32 (4 bytes a number; bf16 K/V: 2):
-  allgather  all-gather K,V: sends (cp-1) x 2BTC/cp numbers; backward all-gathers them again (it
-             saves only its own) and reduce-scatters dK,dV: 2 x (cp-1) x 2BTC/cp.
-             Peak: the whole 2BTC of K,V at once.
+  allgather  all-gather K,V: (cp-1) x 2BTC/cp numbers; backward all-gathers them again (it saves
+             only its own) and reduce-scatters dK,dV: 2 x (cp-1) x 2BTC/cp.
   ring       K,V blocks of 2BTC/cp go round the ring, cp-1 sends, each while the previous block
              is computed; backward: K,V again and the dK,dV accumulators, 2 x (cp-1) x 2BTC/cp.
-             Peak: 2 blocks.
   ulysses    all-to-all q,k,v from sequence shards to head shards (full sequence, n_head/cp
-             heads) and the output back: (cp-1)/cp x (3BTC/cp + BTC/cp) numbers; the same in
-             backward. Volume falls as 1/cp.
-  activation memory per rank: every saved tensor is 1/cp of one process's (attention saves q, k,
-  v, out and the log-sum-exp of its T/cp queries, or with ulysses of its n_head/cp heads); scores
-  are never saved.
-Causal balance: with a contiguous split rank r's queries see r+1 of the cp key blocks, so the last
-rank does 2cp-1 times the first rank's work. Zigzag (--load_balance, default): 2cp chunks, rank r
-holds chunks r and 2cp-1-r, an early and a late one: each keeps exactly T(T+1)/(2cp) (query, key)
-pairs per row and head (contiguous, m = T/cp: r m^2 + m(m+1)/2, last/first =
-((2cp-1)m + 1)/(m + 1)). Ring and allgather compute only the kept part of each block (positions
-ascending: the queries that see a key block form a suffix, the keys they see a prefix). Ulysses
-attends over the whole sequence on every rank: balanced by heads.
+             heads) and the output back: (cp-1)/cp x 4BTC/cp numbers; the same in backward.
+Every saved activation is 1/cp of one process's. Causal balance (--load_balance, default): rank r
+holds zigzag chunks r and 2cp-1-r of 2cp, so every rank keeps T(T+1)/(2cp) (query, key) pairs.
 2D: D x cp ranks in a grid (row = CP group of consecutive ranks); each DP rank takes B/D rows.
 
 Run:
@@ -33,9 +21,9 @@ Run:
   torchrun --standalone --nproc_per_node=2 cp_train.py --cp_mode ulysses
   torchrun --standalone --nproc_per_node=4 cp_train.py --context_parallel_size 2  # DP 2 x CP 2
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv-backend=c10d \\
-           --rdzv-endpoint=HOST:29500 cp_train.py --context_parallel_size 8
-                                                  # CP inside a node, DP across
+           --rdzv-endpoint=HOST:29500 cp_train.py --context_parallel_size 8  # CP in a node
   torchrun --standalone --nproc_per_node=2 cp_train.py --implementation pytorch    # CUDA only
+Memory, peaks and the zigzag derivation: docs/cp.md.
 """
 import os
 import time

@@ -1,18 +1,16 @@
 """Hybrid: DP x TP x PP x CP in one run (4D parallelism), by hand.
 
-The N ranks form a grid, ranks = arange(N).view(dp, pp, cp, tp): a rank's coordinates are its place
-in four strategies, and each axis is a process group of the ranks that differ in that coordinate
-only. TP varies fastest, so a TP group is tp consecutive ranks, one node's fast links, as TP talks
-in every block; then CP (a ring in every attention), PP (one activation a micro-batch, between
-neighbours), and DP outermost, across nodes: it talks once a step (torchtitan's and Megatron's
-order too). Each part is its script's, shortened; read the lesson there:
+The N ranks form a grid, ranks = arange(N).view(dp, pp, cp, tp): each axis is a process group of
+the ranks that differ in that coordinate only. TP varies fastest (tp consecutive ranks, one node's
+fast links: it talks in every block), then CP, PP, and DP outermost, across nodes, once a step
+(torchtitan's and Megatron's order). Each part is its script's, shortened; read the lesson there:
   TP (tp_train.py)   Megatron's f and g around each block's column- and row-parallel linears; the
                      embedding and the tied head split by vocabulary, and the loss computed from
                      the logit slices. --sequence_parallel: the activations between the linears
                      split by sequence.
   CP (cp_train.py)   each CP rank holds T/cp positions of every row (zigzag: chunks r and 2cp-1-r)
                      and attention passes K, V round a ring. It runs inside a TP rank's heads: the
-                     ring carries those heads' K, V only.
+                     ring carries those heads' K, V only (fp32 math, or CUDA's flash kernel).
   PP (pp_train.py)   the blocks cut into pp stages, run by 1F1B over --n_microbatches. A message
                      is this rank's piece of the activation, its T/cp positions (with SP 1/tp of
                      those), sent to the same (dp, cp, tp) place on the next stage.
