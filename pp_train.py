@@ -1,4 +1,4 @@
-"""PP: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, zero bubble), by hand with send/recv.
+"""PP: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B), by hand with send/recv.
 
 The n_layer blocks are cut into n_stages = pp_size * V stages, V = --virtual_stages chunks per rank
 (n_chunks): rank r runs stages r, r + pp_size, ...; equal ones, or --stage_layers 3,1 (blocks per
@@ -7,9 +7,8 @@ parallelism): each micro-step's `micro` rows are cut into M micro-batches.
   memory per rank:  about 16P/pp_size (fp32 params + grads + AdamW), plus a copy of the tied wte
                     (lm_head) on the last rank; activations of the micro-batches between F and B.
   communication:    each micro-batch's activation (micro/M x T x C fp32) goes to the next stage
-                    and its gradient comes back: 2*M*(n_stages-1) messages a micro-step; plus one
-                    all-reduce of the tied wte/lm_head gradient (4*vocab*C bytes) between the
-                    first and the last rank a step.
+                    and its gradient comes back: 2*M*(n_stages-1) messages a micro-step; plus a
+                    step's all-reduce of the tied wte/lm_head gradient (4*vocab*C bytes), 2 ranks.
 The schedule orders each rank's forwards (F) and backwards (B). With equal stages a rank idles (the
 "bubble") (pp_size-1)/(M+pp_size-1) of a step; --print_schedule measures it and draws a timeline.
   gpipe        all M forwards, then all M backwards: M micro-batches' activations live at once.
@@ -17,35 +16,17 @@ The schedule orders each rank's forwards (F) and backwards (B). With equal stage
                live, whatever M is.
   interleaved  1F1B over V chunks per rank (Megatron): a bubble of (pp_size-1)/(V*M+pp_size-1),
                for V times more messages.
-  zb1p         ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): B computes only the
-               input's gradient, which the stage before waits for; each linear's weight gradient
-               (the blocks' and the head's) waits for a W action (DeferredWeightGrads), which fills
-               the cool-down's waits.
-               With T_F = T_B = T_W the idle time falls from (pp_size-1)(T_F+T_B+T_W) to
-               (pp_size-1)(T_F+T_B-T_W); at most pp_size micro-batches live, as 1F1B's first rank.
-  zbv          ZB-V: two chunks a rank in a V (rank r: stages r and 2p-1-r, so the first and the
-               last stage, and the tied wte and lm_head, share rank 0), B and W split as in zb1p,
-               ordered by zero_bubble_v: a rank idles at most about pp_size chunk steps (half a
-               stage's T each), with 1F1B's activation memory.
-The head and loss (2*vocab*C FLOPs a token) make the last stage the slowest unless n_layer >=
-vocab/(12C) blocks can balance them. --vocab_parallel (Yeung et al. 2024, "Balancing Pipeline
-Parallelism with Vocabulary Parallelism") splits them over all p ranks instead: rank r holds
-lm_head rows [r*vocab/p, (r+1)*vocab/p), a copy of wte's rows (16*vocab*C/p bytes with AdamW; wte
-stays on the first stage), and every micro-batch gets one more action on every rank, its
-vocabulary pass L (the head and the loss, see vocab_pass): one broadcast of the last stage's
-output and one reduce of its gradient (4*micro/M*T*C bytes each), two all-reduces of micro/M*T
-and 2x that numbers (the softmax's max and sums). In 1f1b a rank d stages before the last warms up
-2d forwards (so 2d+1 micro-batches live) and then runs L(k), F(k+d), B(k-d) in the time the last
-runs F(k), L(k), B(k): no rank waits for the vocabulary passes' collectives.
-
+Zero bubble (zb1p, zbv: each backward split into B and W) is in pp_zb_train.py.
+The head and loss split over the ranks by vocabulary (--vocab_parallel): pp_vocab_train.py.
 Run:
-  python pp_train.py                                   # single process: one stage, the reference
-  torchrun --standalone --nproc_per_node=2 pp_train.py # 2 stages (2 GPUs, or 2 CPU processes)
+  python pp_train.py  # single process: one stage, the reference
+  torchrun --standalone --nproc_per_node=2 pp_train.py  # 2 stages (2 GPUs or 2 CPU processes)
   torchrun --standalone --nproc_per_node=2 pp_train.py --schedule interleaved --virtual_stages 2 \\
            --print_schedule
   torchrun --nnodes=2 --nproc_per_node=4 --node_rank=0 --rdzv-backend=c10d \\
            --rdzv-endpoint=HOST:29500 pp_train.py --n_layer 8  # 8 stages on 2 nodes (node_rank=1)
   torchrun --standalone --nproc_per_node=2 pp_train.py --implementation pytorch  # torch pipelining
+The schedules' derivations and measured bubbles: docs/pp.md.
 """
 import itertools
 import os
@@ -57,18 +38,17 @@ import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
 
 from common.checkpoint import checkpoint, gather_to_rank0, resume, set_adamw_state
-from common.config import (add_bool, check_batch_split, check_torch, die, get_lr, gpt_config,
-                           parse_args)
+from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import Batches, get_batch
 from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
 from common.metrics import MFU, Metrics, Profiler, model_state_bytes, timers
-from common.model import BLOCK_LINEARS, GPT, LOSS_CHUNK_ROWS, compile_forward, configure_optimizer
+from common.model import GPT, compile_forward, configure_optimizer
 from common.model import cross_entropy, init_tensor
 from common.recompute import checkpoint_blocks
 from common.schedule_report import ScheduleReport, stage_plan
 import peers.torch_pp
 
-ZERO_BUBBLE = ("zb1p", "zbv")  # the schedules whose backward is split into B and W
+ZERO_BUBBLE = ("zb1p", "zbv")  # pp_zb_train.py's schedules: refused here by name
 
 WTE_NAME = "transformer.wte.weight"  # lm_head.weight is tied to it: the last stage holds a copy
 
@@ -79,16 +59,14 @@ class Stage(nn.Module):
     """Global stage `index` of `n_stages`: its blocks (named as in GPT, e.g. transformer.h.2, so
     checkpoints and optimizer state keep GPT's names), plus wte/wpe on the first stage and ln_f on
     the last. `head`: the rows of the tied wte this stage's lm_head holds (a copy unless the stage
-    also holds wte): all of them on the last stage, or, with --vocab_parallel, vocab/pp_size rows
-    on the first chunk of every rank, and then the last stage ends at ln_f. Only these tensors get
-    storage, from the full checkpoint `state` or GPT's init."""
+    also holds wte): all of them on the last stage, else None. Only these tensors get storage, from
+    the full checkpoint `state` or GPT's init."""
 
-    def __init__(self, config, index, n_stages, blocks, head, vocab_parallel, state, seed, device):
+    def __init__(self, config, index, n_stages, blocks, head, state, seed, device):
         super().__init__()
         full = GPT(config, device="meta").transformer  # the whole model without storage
         self.first = index == 0
         self.last = index == n_stages - 1
-        self.vocab_parallel = vocab_parallel
         pieces = dict(h=nn.ModuleDict({str(i): full.h[i] for i in blocks}))
         if self.first:
             pieces.update(wte=full.wte, wpe=full.wpe, drop=full.drop)
@@ -99,7 +77,7 @@ class Stage(nn.Module):
             n_rows = head.stop - head.start
             self.lm_head = nn.Linear(config.n_embd, n_rows, bias=False, device="meta")
         self.to_empty(device=device)
-        if self.first and self.last and not vocab_parallel:
+        if self.first and self.last:
             self.lm_head.weight = self.transformer.wte.weight  # one stage: the tie is one tensor
         with torch.no_grad():
             for name, param in self.named_parameters():
@@ -122,283 +100,100 @@ class Stage(nn.Module):
         if not self.last:
             return x
         x = self.transformer.ln_f(x)
-        if self.vocab_parallel:  # every rank's vocabulary pass computes the logits and the loss
-            return x
         logits = self.lm_head(x)  # the last stage: logits, or their mean loss
         if targets is None:
             return logits
         return cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, vocab)
 
 
-# ---- the strategy: the backward split in two, for the zero-bubble schedule -------------------
-
-class DeferredWeightGrads:
-    """B and W of --schedule zb1p. A block's linears (deferred_linear) run their backward in two
-    parts: at B the input's gradient dX = dY W, which the stage before waits for; their weight's,
-    dW = dY^T X, and bias's, sum(dY), are queued under the micro-batch and chunk (DeepSeek's
-    WeightGradStore) and run at its W, which waits for nothing. X is what forward saved, dY what B
-    computed: both stay until W. LayerNorms and the embeddings (the little rest) keep autograd's
-    own backward, in B."""
-
-    def __init__(self):
-        self.key = None  # the (micro-batch, chunk) whose B is running
-        self.queues = {}
-
-    def defer(self, weight_grad):
-        self.queues.setdefault(self.key, []).append(weight_grad)
-
-    @torch.no_grad()  # outside autograd's backward: no graph of the gradients
-    def run(self, key):
-        for weight_grad in self.queues.pop(key, []):
-            weight_grad()
-
-
-def accumulate_grad_(param, grad):
-    """param.grad += grad, as autograd accumulates it (across micro-batches and micro-steps)."""
-    grad = grad.to(param.dtype)
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
-
-
-class DeferredLinear(torch.autograd.Function):
-    """y = x W^T + b whose backward returns dX only and queues dW and db on `store`."""
-    @staticmethod
-    def forward(ctx, x, weight, bias, store):
-        ctx.store, ctx.x_dtype, ctx.params = store, x.dtype, (weight, bias)
-        if torch.is_autocast_enabled(x.device.type):  # backward runs outside autocast: cast now
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        ctx.save_for_backward(x, weight)
-        return nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dy = dy.to(weight.dtype)
-        weight_param, bias_param = ctx.params
-
-        def weight_grad():  # at W: (out, in) = dY^T X, summed over the micro-batch's tokens
-            accumulate_grad_(weight_param, dy.flatten(0, -2).t() @ x.flatten(0, -2))
-            if bias_param is not None:
-                accumulate_grad_(bias_param, dy.flatten(0, -2).sum(0))
-        ctx.store.defer(weight_grad)
-        return (dy @ weight).to(ctx.x_dtype), None, None, None
-
-
-def defer_weight_grads(chunk, store):
-    """Every nn.Linear of `chunk` (its blocks', and the head's on the last stage) computes through
-    DeferredLinear, its parameters unchanged."""
-    for module in chunk.modules():
-        if isinstance(module, nn.Linear):
-            module.forward = lambda x, m=module: DeferredLinear.apply(x, m.weight, m.bias, store)
-
-
 # ---- the strategy: the schedules, as data ----------------------------------------------------
 
-def schedule_actions(schedule, rank, stages, microbatches, n_chunks=1, vocab_parallel=False):
-    """The ordered actions of `rank` for one batch: (op, microbatch, chunk) with op "F" or "B", and
-    with --vocab_parallel ("L", microbatch, 0): the micro-batch's vocabulary pass, forward and
-    backward, on every rank; chunk c of rank r is global stage c*stages + r. A pure function, so
-    tests can check orders. Every schedule is: warm-up forwards, then one forward one backward,
-    then the remaining backwards; they differ in the warm-up."""
-    # The k-th forward of a rank is micro-batch (k // pV) * p + k % p of chunk (k // p) % V: p
-    # micro-batches go through chunk 0, then the same p through chunk 1, ... (V = 1: micro-batch
-    # k). Backwards: chunks in reverse.
-    p = stages
+def schedule_actions(schedule, rank, pp_size, microbatches, n_chunks=1):
+    """The ordered actions of `rank` for one batch: (op, microbatch, chunk) with op "F" or "B";
+    chunk c of rank r is global stage c*pp_size + r. A pure function, so tests can check orders.
+    Every schedule is: warm-up forwards, then one forward one backward, then the remaining
+    backwards; they differ in the warm-up."""
     total = microbatches * n_chunks
-    to_last = stages - rank - 1  # d: how many ranks come after this one
+    to_last = pp_size - rank - 1  # d: how many ranks come after this one
+
+    def microbatch(k):  # of the k-th forward: pp_size micro-batches through chunk 0, the same
+        return k // (pp_size * n_chunks) * pp_size + k % pp_size  # through chunk 1, ...
 
     def forward(k):
-        return ("F", k // (p * n_chunks) * p + k % p, k // p % n_chunks)
+        return ("F", microbatch(k), k // pp_size % n_chunks)
 
-    def backward(k):
-        return ("B", k // (p * n_chunks) * p + k % p, n_chunks - 1 - k // p % n_chunks)
+    def backward(k):  # the chunks in reverse
+        return ("B", microbatch(k), n_chunks - 1 - k // pp_size % n_chunks)
 
-    if schedule == "zb1p":
-        return zero_bubble_h1(p, microbatches, rank)
-    if schedule == "zbv":
-        return zero_bubble_v(p, microbatches)[rank]
-    if vocab_parallel and schedule != "1f1b":
-        # L(k) on every rank in the step after the last stage's F(k) in the plain schedule's
-        # timetable: the same order everywhere, and no rank reaches it much before the others.
-        plain = [schedule_actions(schedule, r, p, microbatches, n_chunks) for r in range(p)]
-        table = timetable(plain, p * n_chunks)
-        actions = []
-        for mine, last in zip(table[rank], table[-1]):
-            if mine:
-                actions.append(mine)
-            if last and last[0] == "F" and last[2] == n_chunks - 1:
-                actions.append(("L", last[1], 0))
-        return actions
     # The warm-up: the forwards before the first backward.
     if schedule == "gpipe":  # all of them
         warmup = total
-    elif schedule == "1f1b" and vocab_parallel:  # 2d, see below
-        warmup = 2 * to_last
-    elif schedule == "1f1b":  # those before the first backward can arrive: <= p-r live
+    elif schedule == "1f1b":  # those before the first backward can arrive: <= pp_size-rank live
         warmup = to_last
     else:  # interleaved (Megatron)
-        warmup = 2 * to_last + (n_chunks - 1) * p
+        warmup = 2 * to_last + (n_chunks - 1) * pp_size
     warmup = min(warmup, total)
     actions = [forward(k) for k in range(warmup)]
     for k in range(total - warmup):
         actions.append(forward(warmup + k))
         actions.append(backward(k))
     actions += [backward(k) for k in range(total - warmup, total)]
-    if not vocab_parallel:
-        return actions
-    # 1f1b: the last rank runs F(k), L(k), B(k); rank r = p-1-d, once full, runs L(k), F(k+d),
-    # B(k-d) in the time of one such cycle: its F(k+d) is the input of the stage after it in the
-    # next cycle, its B(k-d) the gradient the stage after it sent the cycle before. So L(k) goes
-    # before F(k+d), or B(k-d) once the forwards are done.
-    for k in range(microbatches):
-        if 0 < to_last and k + to_last < microbatches:
-            before = forward(k + to_last)
-        else:
-            before = backward(max(k - to_last, 0))
-        actions.insert(actions.index(before), ("L", k, 0))
     return actions
 
-
-def zero_bubble_h1(p, m, rank):
-    """ZB-H1's actions for `rank` (chunk 0): 1F1B with each backward split into B and W, and W held
-    back. Rank r warms up with p-r forwards (one more than 1F1B), then runs B(k), W(k-r) and the
-    next F, and at the end the r W's it held back. On a clock of equal F, B and W steps the first
-    rank never waits after its warm-up, and with m >= p the step takes 3m + p - 1 steps, 1F1B's
-    3m + 3(p-1) less 2(p-1) (tests/test_pp.py). Live micro-batches (F done, W not yet): at most p
-    on every rank."""
-    warmup = min(p - rank, m)
-    actions = [("F", k, 0) for k in range(warmup)]
-    for k in range(m):
-        actions.append(("B", k, 0))
-        if k >= rank:  # rank r's W lags r micro-batches: it fills r waits of the cool-down
-            actions.append(("W", k - rank, 0))
-        if warmup + k < m:
-            actions.append(("F", warmup + k, 0))
-    actions += [("W", k, 0) for k in range(max(m - rank, 0), m)]
-    return actions
-
-
-def zero_bubble_v(p, m):
-    """ZB-V's actions for every rank, by list scheduling on a clock of equal F, B and W steps (each
-    a chunk's: half a stage of ZB-H1's): in each step every rank runs the first that can run of a B
-    (its output's gradient has come; the later chunk first), an F (its input has come, and fewer
-    than 2p chunk micro-batches await their W: 1F1B's peak of p whole stages) or its oldest waiting
-    W, else it idles. What a step sends arrives for the next step."""
-    n_stages = 2 * p
-    done = {}  # (op, micro-batch, stage) -> the step it ran in
-    next_f, next_b = [[0, 0] for _ in range(p)], [[0, 0] for _ in range(p)]
-    waiting_w = [[] for _ in range(p)]  # (micro-batch, chunk) of each B whose W has not run
-    live = [0] * p
-    orders = [[] for _ in range(p)]
-    step = 0
-
-    def came(op, mb, stage):  # stage's op(mb) ran in an earlier step; stage None: no input needed
-        return stage is None or done.get((op, mb, stage), step) < step
-    while any(len(order) < 6 * m for order in orders):
-        chosen = []
-        for r in range(p):
-            pick = None
-            for c in (1, 0):
-                s, k = stage_index(r, c, p, True), next_b[r][c]
-                after = s + 1 if s < n_stages - 1 else None
-                if pick is None and k < next_f[r][c] and came("F", k, s) and came("B", k, after):
-                    pick = ("B", k, c)
-            for c in (1, 0):
-                s, k = stage_index(r, c, p, True), next_f[r][c]
-                before = s - 1 if s > 0 else None
-                if pick is None and k < m and live[r] < 2 * p and came("F", k, before):
-                    pick = ("F", k, c)
-            if pick is None and waiting_w[r]:
-                pick = ("W", *waiting_w[r][0])
-            chosen.append(pick)
-        for r, action in enumerate(chosen):
-            if action is None:
-                continue
-            op, k, c = action
-            done[(op, k, stage_index(r, c, p, True))] = step
-            orders[r].append(action)
-            if op == "F":
-                next_f[r][c] += 1
-                live[r] += 1
-            elif op == "B":
-                next_b[r][c] += 1
-                waiting_w[r].append((k, c))
-            else:
-                waiting_w[r].pop(0)
-                live[r] -= 1
-        step += 1
-    return orders
-
-
-def stage_index(rank, chunk, pp_size, v_shape=False):
-    """The global stage of `rank`'s chunk: c*pp_size + rank; in a V (zbv): rank, then 2p-1-rank."""
-    if v_shape and chunk:
-        return 2 * pp_size - 1 - rank
+def stage_index(rank, chunk, pp_size):
+    """The global stage of `rank`'s chunk: chunk*pp_size + rank."""
     return chunk * pp_size + rank
 
 
-def stage_rank(stage, pp_size, v_shape=False):
+def stage_rank(stage, pp_size):
     """The rank that holds global stage `stage` (the inverse of stage_index)."""
-    if v_shape and stage >= pp_size:
-        return 2 * pp_size - 1 - stage
     return stage % pp_size
 
 
-def messages(action, rank, pp_size, n_stages, v_shape=False):
+def messages(action, rank, pp_size, n_stages):
     """What `action` on `rank` receives and sends, each (peer rank, name), None at the ends of the
     pipeline. A message is named (op, micro-batch, sending stage): F sends its output to the next
-    stage, B its input's gradient back. A vocabulary pass (L) exchanges none: its collectives run
-    on every rank in the same step (see timetable)."""
-    op, mb, c = action
-    if op in ("L", "W"):  # W: a weight gradient, on this rank's own tensors
-        return None, None
-    s = stage_index(rank, c, pp_size, v_shape)  # the global stage
+    stage, B its input's gradient back."""
+    op, mb, chunk = action
+    stage = stage_index(rank, chunk, pp_size)  # the global stage
     direction = 1 if op == "F" else -1
-    source = s - direction
-    target = s + direction
+    source = stage - direction
+    target = stage + direction
     recv = send = None
     if 0 <= source < n_stages:
-        recv = (stage_rank(source, pp_size, v_shape), (op, mb, source))
+        recv = (stage_rank(source, pp_size), (op, mb, source))
     if 0 <= target < n_stages:
-        send = (stage_rank(target, pp_size, v_shape), (op, mb, s))
+        send = (stage_rank(target, pp_size), (op, mb, stage))
     return recv, send
 
 
-def timetable(actions, n_stages, v_shape=False):
-    """Every rank's actions (actions[r]: rank r's, in order) on one clock of equal steps, as
+def timetable(actions, n_stages):
+    """Every rank's actions (actions[rank]: its own, in order) on one clock of equal steps, as
     PyTorch's pipelining lays out its multi-stage schedules: a rank runs its next action at the
-    first step after the one that sent the message it needs, and idles (None) until then; a
-    vocabulary pass L(k) runs in the first step at which it is the next action of every rank.
+    first step after the one that sent the message it needs, and idles (None) until then.
     Returns table[rank][step]."""
-    p = len(actions)
+    pp_size = len(actions)
     todo = [list(rank_actions) for rank_actions in actions]
     sent = set()
     table = [[] for _ in actions]
     while any(todo):
-        ready = [False] * p
-        for r, queue in enumerate(todo):
+        ready = [False] * pp_size
+        for rank, queue in enumerate(todo):
             if not queue:
                 continue
-            if queue[0][0] == "L":  # a rendezvous: the next action of every rank
-                ready[r] = all(other and other[0] == queue[0] for other in todo)
-            else:
-                need = messages(queue[0], r, p, n_stages, v_shape)[0]
-                ready[r] = need is None or need[1] in sent
+            need = messages(queue[0], rank, pp_size, n_stages)[0]
+            ready[rank] = need is None or need[1] in sent
         step = [queue.pop(0) if go else None for queue, go in zip(todo, ready)]
         assert any(step), "the schedule waits for itself"
-        for r, action in enumerate(step):
-            table[r].append(action)
-            send = action and messages(action, r, p, n_stages, v_shape)[1]
+        for rank, action in enumerate(step):
+            table[rank].append(action)
+            send = action and messages(action, rank, pp_size, n_stages)[1]
             if send:
                 sent.add(send[1])
     return table
 
 
-def p2p_program(table, rank, n_stages, v_shape=False):
+def p2p_program(table, rank, n_stages):
     """This rank's program, one entry per step of the timetable: (its action or None, the messages
     exchanged after it, as (peer, is_send, name)): what its action sends, and what the neighbours'
     actions of the same step send to it. Under NCCL a send may complete only when its receive is
@@ -406,17 +201,14 @@ def p2p_program(table, rank, n_stages, v_shape=False):
     are posted together (one batch_isend_irecv) and waited before the next step, as
     torch.distributed.pipelining does: every message is received in the step it is sent, in the
     same order on both sides, and no rank waits in a send for a peer that waits in a send itself
-    (when interleaved, activations flow both ways between ranks 0 and pp_size-1). In a V (zbv)
-    stage p-1 sends to stage p on its own rank: no message, the executor keeps it."""
-    p = len(table)
+    (when interleaved, activations flow both ways between ranks 0 and pp_size-1)."""
+    pp_size = len(table)
     program = []
     for tick, action in enumerate(table[rank]):
         ops = []
-        for other in range(p):
+        for other in range(pp_size):
             theirs = table[other][tick]
-            send = theirs and messages(theirs, other, p, n_stages, v_shape)[1]
-            if send and send[0] == other:  # to its own next chunk
-                continue
+            send = theirs and messages(theirs, other, pp_size, n_stages)[1]
             if send and other == rank:  # what my action sends
                 ops.append((send[0], True, send[1]))
             elif send and send[0] == rank:  # what a neighbour's action sends me
@@ -425,75 +217,10 @@ def p2p_program(table, rank, n_stages, v_shape=False):
     return program
 
 
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from (N, vocab/p) logit slices in their own dtype (bf16 under
-    autocast), one per rank of `group` (tp_train.py's, written out again): loss =
-    log(sum_v exp(z_v - m)) - (z_t - m) with m the global max, from one all-reduce (MAX) of N
-    numbers and one (SUM) of 2N: each slice's sum of exp and the target's logit, which lives in
-    one slice only. fp32 only 1024 rows at a time (LOSS_CHUNK_ROWS): no fp32 copy of the slice
-    exists. Backward needs no communication: d loss / d z = softmax - onehot(t), recomputed a
-    chunk at a time from the saved logits."""
-    @staticmethod
-    def forward(ctx, logits, targets, vocab_start, group):
-        m = logits.amax(dim=-1).float()  # (N,): exact in any dtype
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # N numbers, for stability
-        local = targets - vocab_start
-        mine = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank owns
-        local = local.clamp(0, logits.size(-1) - 1)
-        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float()  # (N,)
-        chunks = zip(logits.split(LOSS_CHUNK_ROWS), m.split(LOSS_CHUNK_ROWS))
-        # each chunk fp32 by promotion (m is), one chunk at a time: no fp32 copy of the logits
-        sum_exp = torch.cat([(z - m_z.unsqueeze(-1)).exp_().sum(-1) for z, m_z in chunks])
-        sums = torch.stack([sum_exp, torch.where(mine, picked - m, 0.0)])  # (2, N)
-        dist.all_reduce(sums, group=group)  # 2N numbers: sums of exp, the targets' logits
-        ctx.save_for_backward(logits, m, sums[0], local, mine)
-        return sums[0].log() - sums[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, m, sum_exp, local, mine = ctx.saved_tensors
-        grad_logits = torch.empty_like(logits)
-        # g (softmax - onehot), g a row's upstream gradient: |g| softmax = exp(z - m - log(sum_exp)
-        # + log|g|), one exp per chunk written straight in the logits' dtype (3 passes, not 5)
-        shift = m + sum_exp.log() - grad.abs().log()  # (N,) fp32; g = 0: +inf, a row of zeros
-        for start in range(0, logits.size(0), LOSS_CHUNK_ROWS):
-            rows = slice(start, start + LOSS_CHUNK_ROWS)
-            out = grad_logits[rows]
-            torch.exp(logits[rows] - shift[rows, None], out=out)  # fp32 by promotion
-            target = (mine[rows] * grad[rows].abs()).to(out.dtype)  # -|g| at an owned target
-            out.scatter_add_(-1, local[rows, None], -target[:, None])
-            out.mul_(grad[rows].sign().to(out.dtype)[:, None])  # g < 0 (a negated loss)
-        return grad_logits, None, None, None
-
-
-def vocab_pass(h, targets, head, vocab_start, last, group, scale, cast):
-    """One micro-batch's output layer and loss, split by vocabulary over the p ranks of `group`;
-    forward and, with grad, backward at once: the loss needs nothing from the stages before, so its
-    backward can start right away. h: the last stage's ln_f output (rows x T x C fp32), already
-    broadcast to every rank. Returns the mean loss (known to every rank) and, with grad, on rank
-    `last`, d(scale * loss)/dh for the last stage's backward; d(scale * loss)/d(my rows)
-    accumulates in head.weight.grad, which never moves."""
-    h.requires_grad_(torch.is_grad_enabled())
-    with cast:
-        logits = head(h)  # (rows, T, vocab/p): my rows' logits
-    flat_logits = logits.flatten(0, 1)  # (rows*T, vocab/p)
-    per_token = VocabParallelCrossEntropy.apply(flat_logits, targets.flatten(), vocab_start, group)
-    loss = per_token.mean()
-    if not torch.is_grad_enabled():
-        return loss, None
-    (loss * scale).backward()
-    # 4*rows*T*C bytes: each rank's part of dh (its rows' dz @ W), summed onto the last rank
-    dist.reduce(h.grad, dst=last, group=group)
-    if dist.get_rank() != last:
-        return loss.detach(), None
-    return loss.detach(), h.grad
-
-
 class Pipeline:
     """The strategy behind the loop's few methods: this rank's chunks (Stages) and its schedule's
     actions."""
     checkpoint_blocks = staticmethod(checkpoint_blocks)  # --activation_checkpointing's, by hand
-    splits_backward = True  # zb1p: B and W by DeferredWeightGrads
 
     def __init__(self, config, args, device, state=None):
         self.config, self.args, self.device = config, args, device
@@ -501,69 +228,47 @@ class Pipeline:
         self.rank = dist.get_rank()
         self.pp_size = dist.get_world_size()
         n_chunks = args.virtual_stages
-        vp = args.vocab_parallel
         self.n_stages = self.pp_size * n_chunks
-        self.v_shape = args.schedule == "zbv"  # chunk 1 of rank r: stage 2p-1-r
         # the rank of the last stage: its loss, and the head
         self.loss_rank = self.rank_of(self.n_stages - 1)
         first_block = list(itertools.accumulate(args.stage_layers, initial=0))
         self.chunks = nn.ModuleList()
-        self.deferred = DeferredWeightGrads()  # zb1p: the W actions' weight gradients
-        defers = args.schedule in ZERO_BUBBLE and self.splits_backward
-        for c in range(n_chunks):
-            s = self.stage_of(c)  # its global stage
-            # lm_head: all rows on the last stage; with --vocab_parallel my rows on my first chunk
-            holds_head = (c == 0) if vp else (s == self.n_stages - 1)
-            head = self.head_rows(self.rank) if holds_head else None
-            blocks = range(first_block[s], first_block[s + 1])
-            self.chunks.append(Stage(config, s, self.n_stages, blocks, head, vp, state, args.seed,
+        for chunk in range(n_chunks):
+            stage = self.stage_of(chunk)  # its global stage
+            head = slice(0, config.vocab_size) if stage == self.n_stages - 1 else None  # lm_head
+            blocks = range(first_block[stage], first_block[stage + 1])
+            self.chunks.append(Stage(config, stage, self.n_stages, blocks, head, state, args.seed,
                                      device))
-            if defers:
-                defer_weight_grads(self.chunks[-1], self.deferred)
-            # --compile: each block's forward (the p2p messages pass between chunks); with
-            # DeferredLinear its linears stay eager, their weight gradients queued for W
-            compile_forward(self.chunks[-1].transformer.h.values(), args.compile,
-                            BLOCK_LINEARS if defers else ())
+            # --compile: each block's forward (the p2p messages pass between chunks)
+            compile_forward(self.chunks[-1].transformer.h.values(), args.compile)
             # full: a chunk's forward runs again at its B action, inside its backward, so it keeps
             # only each block's input from F to B (the schedule's live activations shrink)
             self.checkpoint_blocks(self.chunks[-1].transformer.h.values(),
                                    args.activation_checkpointing)
         # Made by every rank, in the same order. p2p_group: the pipeline's messages, apart from the
-        # loop's collectives; vocab_group: the vocabulary passes' collectives; tied_groups[r]:
-        # rank 0 (wte) and rank r, which holds a copy of some of its rows.
+        # loop's collectives; tied_group: rank 0 (wte) and the last rank (its copy, lm_head).
         # nccl: p2p_group connects here, every rank joining (new_group inherits setup's device_id),
         # so its first batch_isend_irecv may be ranks 0 and 1 alone (more than 2 stages);
         # a lazily connected group would need every rank in that first call.
         self.p2p_group = dist.new_group()
-        self.vocab_group = dist.new_group() if vp else None
-        self.tied_groups = {}
-        for r in range(1, self.pp_size):
-            if vp or r == self.loss_rank:  # zbv: the head is on rank 0, with wte: no group
-                self.tied_groups[r] = dist.new_group([0, r])
+        self.tied_group = dist.new_group([0, self.loss_rank]) if self.pp_size > 1 else None
         every = []  # every rank's actions: the timetable needs them all
-        for r in range(self.pp_size):
-            every.append(schedule_actions(args.schedule, r, self.pp_size, self.M, n_chunks, vp))
+        for other in range(self.pp_size):
+            every.append(schedule_actions(args.schedule, other, self.pp_size, self.M, n_chunks))
         self.actions = every[self.rank]
-        v, n = self.v_shape, self.n_stages
-        self.program = p2p_program(timetable(every, n, v), self.rank, n, v)
+        table = timetable(every, self.n_stages)
+        self.program = p2p_program(table, self.rank, self.n_stages)
         forwards = []  # evaluation: the same actions without the backwards
         for actions in every:
-            forwards.append([action for action in actions if action[0] not in ("B", "W")])
-        self.eval_program = p2p_program(timetable(forwards, n, v), self.rank, n, v)
+            forwards.append([action for action in actions if action[0] != "B"])
+        forward_table = timetable(forwards, self.n_stages)
+        self.eval_program = p2p_program(forward_table, self.rank, self.n_stages)
 
     def stage_of(self, chunk):
-        return stage_index(self.rank, chunk, self.pp_size, self.v_shape)
+        return stage_index(self.rank, chunk, self.pp_size)
 
     def rank_of(self, stage):
-        return stage_rank(stage, self.pp_size, self.v_shape)
-
-    def head_rows(self, rank):
-        """The rows of the tied wte that `rank`'s lm_head holds: vocab/p of them each with
-        --vocab_parallel, else all."""
-        if not self.args.vocab_parallel:
-            return slice(0, self.config.vocab_size)
-        rows = self.config.vocab_size // self.pp_size
-        return slice(rank * rows, (rank + 1) * rows)
+        return stage_rank(stage, self.pp_size)
 
     def named_parameters(self):
         named = []
@@ -577,11 +282,10 @@ class Pipeline:
         optimizer = configure_optimizer(named, args.weight_decay, args.learning_rate, betas)
         if state:  # a checkpoint's AdamW state, keyed by GPT name
             for name, param in named:
-                rows = slice(None)
-                if name == "lm_head.weight":  # the copy of wte's rows: their state, same gradient
-                    name, rows = WTE_NAME, self.head_rows(self.rank)
+                if name == "lm_head.weight":  # the copy of wte: its state, the same gradient
+                    name = WTE_NAME
                 set_adamw_state(optimizer, param, state[name],
-                                lambda full: full[rows].to(self.device, copy=True))
+                                lambda full: full.to(self.device, copy=True))
         return optimizer
 
     def forward_backward(self, x, y, sync):
@@ -596,70 +300,44 @@ class Pipeline:
         """Runs `program` (see p2p_program) over the micro-batches xs[i], ys[i]; returns the mean of
         their losses on the last stage, 0 elsewhere. Without grad (evaluation): a program of
         forwards only."""
-        r, p, last = self.rank, self.pp_size, self.n_stages - 1
+        last = self.n_stages - 1
         A = self.args.grad_accum_steps
-        vp = self.args.vocab_parallel
         shape = (*xs[0].shape, self.config.n_embd)  # never exchanged; fp32 under bf16 autocast too
         stash = {}  # (micro-batch, chunk): the input and the output's autograd edge, until B
         inbox = {}  # received tensors, by message name
         loss_sum = torch.zeros((), device=self.device)
         for action, exchange in program:
             if action is not None:
-                op, mb, c = action
-                s = self.stage_of(c)  # this chunk's global stage
+                op, mb, chunk = action
+                stage = self.stage_of(chunk)  # this chunk's global stage
                 if op == "F":  # the input: token ids on stage 0, else the previous stage's output
-                    if s == 0:
+                    if stage == 0:
                         inp = xs[mb]
                     else:
-                        inp = inbox.pop(("F", mb, s - 1)).requires_grad_(torch.is_grad_enabled())
+                        inp = inbox.pop(("F", mb, stage - 1))
+                        inp.requires_grad_(torch.is_grad_enabled())
                     with timers("compute", label=action), autocast(self.args, self.device):
-                        out = self.chunks[c](inp, ys[mb])  # the last stage: the mean loss
-                    if s == last and not vp:
+                        out = self.chunks[chunk](inp, ys[mb])  # the last stage: the mean loss
+                    if stage == last:
                         loss_sum += out.detach() / len(xs)
                         out = out / (len(xs) * A)  # a micro-batch is 1/(M*A) of the step
                     if torch.is_grad_enabled():
                         # Keep the input (its gradient goes back) and the output's autograd edge
                         # only: the output is freed once sent (the ops after it saved their inputs).
-                        stash[(mb, c)] = (inp, get_gradient_edge(out))
+                        stash[(mb, chunk)] = (inp, get_gradient_edge(out))
                     result = out.detach()
-                    if s == last and vp:  # for the vocabulary pass, as if sent to a next stage
-                        inbox[("F", mb, s)] = result
-                elif op == "L":  # every rank: the logits of my vocabulary rows, loss, d(loss)/dh
-                    if r == p - 1:
-                        h = inbox.pop(("F", mb, last))
-                    else:
-                        h = torch.empty(shape, device=self.device)
-                    # 4*rows*T*C bytes from the last stage to every rank; outside the compute time:
-                    # a rank waits here until all have come (the pass is a rendezvous of all ranks)
-                    dist.broadcast(h, src=p - 1, group=self.vocab_group)
-                    head = self.chunks[0].lm_head
-                    vocab_start = self.head_rows(r).start
-                    scale = 1 / (len(xs) * A)
-                    cast = autocast(self.args, self.device)
-                    with timers("compute", label=action):
-                        loss, dh = vocab_pass(h, ys[mb], head, vocab_start, p - 1,
-                                              self.vocab_group, scale, cast)
-                    if r == p - 1:  # dh: for the last stage's B, as if sent by a stage after it
-                        loss_sum += loss / len(xs)
-                        inbox[("B", mb, last + 1)] = dh
-                elif op == "W":  # zb1p, zbv: the linears' weight gradients that B queued
-                    with timers("compute", label=action):
-                        self.deferred.run((mb, c))
                 else:  # B: from the gradient of our output (none on the last stage: its loss)
-                    inp, edge = stash.pop((mb, c))
+                    inp, edge = stash.pop((mb, chunk))
                     grad_out = None
-                    if s != last or vp:
-                        grad_out = inbox.pop(("B", mb, s + 1))  # sent by the next stage
-                    self.deferred.key = (mb, c)  # zb1p: where this B's weight gradients wait
+                    if stage != last:
+                        grad_out = inbox.pop(("B", mb, stage + 1))  # sent by the next stage
                     with timers("compute", label=action):
                         torch.autograd.backward(edge, grad_out)
                     result = inp.grad  # d(loss)/d(our input), for the previous stage
                     del inp, edge, grad_out
-                send = messages(action, r, p, self.n_stages, self.v_shape)[1]
-                if send and send[0] == r:  # zbv: to this rank's other chunk, kept, not sent
-                    inbox[send[1]] = result
-            # This step's messages, 4*rows*T*C bytes each: our result to rank r+1 (F) or r-1 (B),
-            # and what they sent us in this step, as one batch, waited here (see p2p_program).
+            # This step's messages, 4*rows*T*C bytes each: our result to the next rank (F) or the
+            # previous (B), and what they sent us in this step, as one batch, waited here (see
+            # p2p_program).
             ops = []
             for peer, is_send, name in exchange:
                 if is_send:
@@ -681,24 +359,16 @@ class Pipeline:
         return loss
 
     def sum_tied_gradient(self):
-        """wte (rank 0) and its copies, lm_head on the last rank (or, with --vocab_parallel, its
-        rows head_rows(r) on every rank r), each got one part of the tied gradient, the lookup's
-        and the head's. Rank 0 and each rank r sum the rows of r (4*rows*C fp32 bytes each way;
-        rank 0's own rows: locally): after the sum both hold those rows' full tied gradient, take
-        identical AdamW steps and stay equal without ever sending the weight."""
+        """wte (rank 0) and its copy, lm_head on the last rank, each got one part of the tied
+        gradient, the lookup's and the head's. The two ranks sum them (4*vocab*C fp32 bytes each
+        way): after the sum both hold the full tied gradient, take identical AdamW steps and stay
+        equal without ever sending the weight."""
         if self.pp_size == 1:  # one rank: the tie is one tensor already
             return
-        heads = [chunk.lm_head.weight for chunk in self.chunks if hasattr(chunk, "lm_head")]
-        head = heads[0] if heads else None
         if self.rank == 0:
-            wte_grad = self.chunks[0].transformer.wte.weight.grad
-            if head is not None:
-                wte_grad[self.head_rows(0)] += head.grad
-                head.grad.copy_(wte_grad[self.head_rows(0)])
-            for r, group in self.tied_groups.items():
-                dist.all_reduce(wte_grad[self.head_rows(r)], group=group)
-        elif self.rank in self.tied_groups:
-            dist.all_reduce(head.grad, group=self.tied_groups[self.rank])
+            dist.all_reduce(self.chunks[0].transformer.wte.weight.grad, group=self.tied_group)
+        elif self.rank == self.loss_rank:
+            dist.all_reduce(self.chunks[-1].lm_head.weight.grad, group=self.tied_group)
 
     def clip_grad_norm_(self, max_norm):
         # Each rank holds its own stages' gradients: their squares are summed over all ranks (4
@@ -733,8 +403,8 @@ def add_pp_flags(group):
     group.add_argument("--stage_layers", default=None,
                        help="blocks per stage, e.g. 3,1: one entry per stage (ranks x virtual "
                             "stages); default even")
-    add_bool(group, "--vocab_parallel", False,
-             "custom only: lm_head and the loss split by vocabulary over all ranks")
+    group.add_argument("--vocab_parallel", nargs="?", const=True, metavar="true|false",
+                       help="in pp_vocab_train.py")
     add_bool(group, "--print_schedule", False,
              "custom only: time every step; print the last one's timeline and the bubble")
 
@@ -742,12 +412,16 @@ def add_pp_flags(group):
 def check_pp_args(args, world_size):
     """Bad input ends every rank with one line, before anything is built. Returns the DP size: 1."""
     pp_size = world_size  # n_chunks stages per rank; every rank runs every row: no data parallelism
+    if args.schedule in ZERO_BUBBLE:
+        die(f"--schedule {args.schedule}: the zero-bubble schedules are in pp_zb_train.py")
+    if args.vocab_parallel is not None:
+        die("--vocab_parallel: the vocabulary-parallel head is in pp_vocab_train.py")
     if args.virtual_stages is not None and args.schedule != "interleaved":
         die(f"--virtual_stages: only with --schedule interleaved (got --schedule {args.schedule})")
     if args.print_schedule and args.implementation != "custom":  # torch's schedules: no timeline
         die("--print_schedule: true is only supported by --implementation custom")
-    if args.virtual_stages is None:  # zbv: two chunks a rank, in a V
-        args.virtual_stages = 2 if args.schedule in ("interleaved", "zbv") else 1
+    if args.virtual_stages is None:
+        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
     n_chunks = args.virtual_stages
     if n_chunks <= 0:
         die("--virtual_stages: must be > 0")
@@ -773,15 +447,6 @@ def check_pp_args(args, world_size):
         if min(args.stage_layers) < 1 or sum(args.stage_layers) != args.n_layer:
             die(f"--stage_layers: every stage needs >= 1 block and they must sum to --n_layer "
                 f"({args.n_layer}), got {args.stage_layers}")
-    if args.vocab_parallel and args.schedule in ZERO_BUBBLE:  # see the README's pipeline notes
-        die(f"--vocab_parallel: not with --schedule {args.schedule}: the vocabulary pass is a "
-            "rendezvous of every rank each micro-batch, where the zero-bubble order has ranks at "
-            "different micro-batches")
-    if args.vocab_parallel and (args.implementation != "custom" or pp_size == 1):
-        die("--vocab_parallel: true needs --implementation custom and at least 2 ranks")
-    if args.vocab_parallel and args.vocab_size % pp_size:
-        die(f"--vocab_parallel: --vocab_size ({args.vocab_size}) must be divisible by the number "
-            f"of ranks ({pp_size})")
     check_batch_split(args, 1)
     rows = args.batch_size // args.grad_accum_steps  # per micro-step
     if rows % args.n_microbatches:
@@ -790,29 +455,7 @@ def check_pp_args(args, world_size):
     if args.schedule == "interleaved" and args.n_microbatches % pp_size:
         die(f"--n_microbatches: must be a multiple of the number of ranks ({pp_size}) for "
             "--schedule interleaved")
-    if args.implementation == "pytorch" and args.schedule in ZERO_BUBBLE:
-        if args.compile:  # torch 2.13
-            die("--compile: torch's zero-bubble schedules split a block's backward into two "
-                "autograd calls (B keeps the graph for W: retain_graph), which a compiled "
-                "backward refuses (donated buffers); use --compile false, --implementation "
-                "custom, or another --schedule")
-        args.compile = False  # the default: off here
-    if (args.implementation == "pytorch" and args.schedule in ZERO_BUBBLE
-            and args.activation_checkpointing != "none"):  # torch 2.13, README's pipeline notes
-        die("--activation_checkpointing: torch's zero-bubble schedule cannot split the backward "
-            "of a checkpointed block into B and W (its stage_backward_weight fails); use "
-            "--activation_checkpointing none, --implementation custom, or another --schedule")
-    if args.implementation == "pytorch":  # what torch's schedules need beyond the floor, on gloo
-        check_torch("2.10", "--implementation: pytorch (torch.distributed.pipelining)",
-                    "on 2.9 its first step's shape inference fails: "
-                    "received data size doesn't match")
-        if args.dtype == "bfloat16":
-            check_torch("2.11", "--dtype: bfloat16 with --implementation pytorch",
-                        "on 2.10 no gradient reaches the last stage's lm_head under autocast")
-        if args.schedule == "zbv":
-            check_torch("2.12", "--schedule: zbv with --implementation pytorch",
-                        "on 2.10 and 2.11 its ScheduleZBVZeroBubble fails on gloo: "
-                        "Pair is not connected")
+    peers.torch_pp.check_args(args)  # what torch's pipelining needs: its torch versions
     return 1
 
 

@@ -36,7 +36,7 @@ if [ ! -f data/shakespeare/input.txt ] && [ -f ../shared/data/tinyshakespeare/in
   mkdir -p data/shakespeare && cp ../shared/data/tinyshakespeare/input.txt data/shakespeare/input.txt
 fi
 
-SCRIPTS=$(for s in ${ONLY:-ddp fsdp zero3 tp pp cp hybrid}; do [ -f "${s}_train.py" ] && echo "$s"; done)
+SCRIPTS=$(for s in ${ONLY:-ddp fsdp zero3 zero3_tuning tp tp_overlap pp pp_zb pp_vocab cp hybrid}; do [ -f "${s}_train.py" ] && echo "$s"; done)
 has() { [[ " $(echo $SCRIPTS) " == *" $1 "* ]]; }
 GPUS=${GPUS:-$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")}
 DEVICE=cpu   # where the NPROC-rank runs go
@@ -85,12 +85,21 @@ run() {  # run NAME NPROC SCRIPT FLAGS...: one training run into $RUNS/NAME, on 
   printf '  %-30s exit %s\n' "$name ($DEVICE)" "$code"
 }
 
+variant() {  # variant SCRIPT [NPROC]: the flags that run a tier-2 script's own variant
+  # (the head split by vocabulary needs 2 ranks: at world size 1 pp_vocab runs as its base)
+  case $1 in pp_zb) echo "--schedule zb1p" ;; pp_vocab) [ "${2:-2}" -gt 1 ] && echo "--vocab_parallel" ;; esac
+  case $1 in zero3_tuning) echo "--persistence_threshold 1024 --reduce_bucket_mb 1 --max_reuse_distance 0" ;; esac
+}
+
 run_strategies() {  # run_strategies SUFFIX NPROC: every script, custom then pytorch, on $DEVICE
   for s in $SCRIPTS; do
     for impl in custom pytorch; do
       # torch's context_parallel: CUDA SDPA kernels only
       [ "$s-$impl" = cp-pytorch ] && [ "$DEVICE" = cpu ] && continue
-      run "$s-$impl$1" "$2" "${s}_train.py" $FLAGS --implementation $impl
+      [ "$s-$impl" = pp_vocab-pytorch ] && continue  # --vocab_parallel: custom only
+      [ "$s-$impl" = zero3_tuning-pytorch ] && continue  # DeepSpeed's knobs: custom only (FSDP2 is zero3's)
+      [ "$s-$impl" = tp_overlap-pytorch ] && continue  # --tp_overlap: custom only (torch's async TP: CUDA)
+      run "$s-$impl$1" "$2" "${s}_train.py" $FLAGS $(variant "$s" "$2") --implementation $impl
     done
   done
 }
@@ -138,14 +147,15 @@ else
         done
       done
     fi
-    # TP with sequence parallelism, custom and DTensor, and --tp_overlap with and without SP: each vs
-    # one process (limit) and vs plain TP in the same rounds.
+    # TP with sequence parallelism, custom and DTensor, and tp_overlap_train.py with SP (without: tp_overlap
+    # above): each vs one process (limit) and vs plain TP in the same rounds.
     if has tp; then
       for impl in custom pytorch; do
         run "tp-sp-$impl-r$r" "$NPROC" tp_train.py $FLAGS --sequence_parallel --implementation $impl
       done
-      run "tp-overlap-custom-r$r" "$NPROC" tp_train.py $FLAGS --tp_overlap
-      run "tp-sp-overlap-custom-r$r" "$NPROC" tp_train.py $FLAGS --sequence_parallel --tp_overlap
+    fi
+    if has tp_overlap; then
+      run "tp-sp-overlap-custom-r$r" "$NPROC" tp_overlap_train.py $FLAGS --sequence_parallel
     fi
     # hybrid_train.py's grids of 4 ranks (CPU, or 4 GPUs) against the single-strategy scripts on the
     # same 4 ranks (runs named <strategy>@<grid>: common.report's COMPARE pairs them)
@@ -162,22 +172,31 @@ else
       run "tp@dp2tp2-custom-r$r" 4 tp_train.py $FLAGS --data_parallel_size 2 --tensor_parallel_size 2
       run "cp@dp2cp2-custom-r$r" 4 cp_train.py $FLAGS --context_parallel_size 2
     fi
+    BAL="--n_embd 512 --n_head 8 --n_layer 13 --block_size 32 --batch_size 8 --max_iters 10"  # balanced stages
     if has pp; then
       run "pp-1f1b-m8-custom-r$r" "$NPROC" pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8
-      run "pp-1f1b-m8-vocab-custom-r$r" "$NPROC" pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8 --vocab_parallel
+    fi
+    if has pp_vocab; then
+      run "pp-1f1b-m8-vocab-custom-r$r" "$NPROC" pp_vocab_train.py $FLAGS --schedule 1f1b --n_microbatches 8 \
+        --vocab_parallel
+    fi
+    if has pp_zb; then
       # the zero-bubble schedules (ZB-H1, ZB-V), hand-written and torch's, against 1F1B at 8 micro-batches, on
       # the default model and on one whose stages balance (--stage_layers: the head weighs about 9 blocks)
-      BAL="--n_embd 512 --n_head 8 --n_layer 13 --block_size 32 --batch_size 8 --max_iters 10"
       for schedule in zb1p zbv; do
         for impl in custom pytorch; do
-          run "pp-$schedule-m8-$impl-r$r" "$NPROC" pp_train.py $FLAGS --schedule $schedule --n_microbatches 8 \
+          run "pp-$schedule-m8-$impl-r$r" "$NPROC" pp_zb_train.py $FLAGS --schedule $schedule --n_microbatches 8 \
             --implementation $impl
         done
       done
-      for schedule in 1f1b:11,2 zb1p:11,2 zbv:1,5,6,1; do
-        run "pp-${schedule%%:*}-m8@balanced-custom-r$r" "$NPROC" pp_train.py $FLAGS $BAL --schedule ${schedule%%:*} \
+      for schedule in zb1p:11,2 zbv:1,5,6,1; do
+        run "pp-${schedule%%:*}-m8@balanced-custom-r$r" "$NPROC" pp_zb_train.py $FLAGS $BAL --schedule ${schedule%%:*} \
           --stage_layers ${schedule#*:} --n_microbatches 8
       done
+    fi
+    if has pp; then  # 1F1B on the balanced model: the zero-bubble rows' baseline
+      run "pp-1f1b-m8@balanced-custom-r$r" "$NPROC" pp_train.py $FLAGS $BAL --schedule 1f1b --stage_layers 11,2 \
+        --n_microbatches 8
     fi
   done
   # Each strategy's own claims, one run each (runs/bench-extra): FSDP's exposed communication with
@@ -192,18 +211,18 @@ else
   extra fsdp-custom-prefetch "$NPROC" fsdp_train.py $FLAGS --prefetch true
   extra fsdp-custom-noprefetch "$NPROC" fsdp_train.py $FLAGS --prefetch false
   extra zero3-custom "$NPROC" zero3_train.py $FLAGS  # where its time goes: broadcast/reduce waits
-  extra zero3-custom-noreuse "$NPROC" zero3_train.py $FLAGS --max_reuse_distance 0
+  extra zero3-custom-noreuse "$NPROC" zero3_tuning_train.py $FLAGS --max_reuse_distance 0
   extra zero3-custom-noprefetch "$NPROC" zero3_train.py $FLAGS --prefetch false
   for impl in custom pytorch; do
     extra tp-$impl-2d-dp2-tp2-sp 4 tp_train.py $FLAGS --implementation $impl --tensor_parallel_size 2 --sequence_parallel
   done
-  # TP's exposed communication (the waits on its collectives) with and without --tp_overlap, SP off
-  # and on, on the small preset and 4x wider
+  # TP's exposed communication (the waits on its collectives), tp_train.py against tp_overlap_train.py,
+  # SP off and on, on the small preset and 4x wider
   for wide in "" "--n_embd 512 --n_head 8 --max_iters 12 --warmup_iters 2"; do
     for sp in false true; do
-      for overlap in false true; do
-        extra "tp-custom-sp-$sp-overlap-$overlap${wide:+-c512}" "$NPROC" tp_train.py $FLAGS $wide \
-          --sequence_parallel $sp --tp_overlap $overlap
+      for script in tp:false tp_overlap:true; do
+        extra "tp-custom-sp-$sp-overlap-${script#*:}${wide:+-c512}" "$NPROC" ${script%%:*}_train.py $FLAGS $wide \
+          --sequence_parallel $sp
       done
     done
   done
@@ -214,10 +233,13 @@ else
   done
   # The head split over the ranks (small preset), and a model where uneven stages alone balance the head
   # (n_layer >= vocab / (12 n_embd): 13 blocks of 512; the head weighs about 9 of them).
-  extra pp-custom-1f1b-m8-vocab 2 pp_train.py $FLAGS --schedule 1f1b --n_microbatches 8 --vocab_parallel --print_schedule
-  for schedule in 1f1b:11,2 zb1p:11,2 zbv:1,5,6,1; do  # balanced stages' bubble, against each formula
-    extra pp-custom-${schedule%%:*}-m8-stagelayers 2 pp_train.py $FLAGS --schedule ${schedule%%:*} --n_microbatches 8 \
-      --print_schedule --n_embd 512 --n_head 8 --n_layer 13 --stage_layers ${schedule#*:} --block_size 32 \
+  extra pp-custom-1f1b-m8-vocab 2 pp_vocab_train.py $FLAGS --schedule 1f1b --n_microbatches 8 --vocab_parallel \
+    --print_schedule
+  for schedule in 1f1b:11,2:pp zb1p:11,2:pp_zb zbv:1,5,6,1:pp_zb; do  # balanced stages' bubble, against each formula
+    layers=${schedule#*:}
+    extra pp-custom-${schedule%%:*}-m8-stagelayers 2 ${layers#*:}_train.py $FLAGS --schedule ${schedule%%:*} \
+      --n_microbatches 8 --stage_layers ${layers%%:*} \
+      --print_schedule --n_embd 512 --n_head 8 --n_layer 13 --block_size 32 \
       --batch_size 8 --max_iters 10 --warmup_iters 2
   done
   # --activation_checkpointing none/selective/full per strategy (custom) at block 256 with dropout 0.1
@@ -225,7 +247,9 @@ else
   # tokens/s, peak memory and the bytes kept for backward; common.report prints each mode against none.
   AC="--block_size 256 --batch_size 8 --dropout 0.1 --max_iters 12 --warmup_iters 2"
   for s in $SCRIPTS; do
-    case $s in cp) mode_flags="--cp_mode ulysses" ;; pp) mode_flags="--schedule 1f1b" ;; *) mode_flags="" ;; esac
+    case $s in
+      cp) mode_flags="--cp_mode ulysses" ;; pp) mode_flags="--schedule 1f1b" ;; *) mode_flags=$(variant "$s") ;;
+    esac
     for ac in none selective full; do
       extra "ac-$s-$ac" "$NPROC" "${s}_train.py" $FLAGS $AC $mode_flags --activation_checkpointing $ac
     done

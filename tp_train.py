@@ -1,47 +1,35 @@
-"""TP: Megatron tensor parallelism (+ sequence and loss parallelism, and 2D DP x TP), by hand.
+"""TP: Megatron tensor parallelism, sequence parallelism, the vocabulary-parallel loss and DP x TP.
 
-The tp_size ranks of a tensor-parallel group split every matmul instead of the batch. In each block
-the first linear is column-parallel (rank r owns its slice of the outputs: c_attn's q, k, v by whole
-heads, so attention runs locally on n_head/tp_size heads; c_fc's 4C/tp_size hidden units) and the
-second row-parallel (rank r owns the matching input rows and makes a partial sum). One all-reduce
-of the (B, T, C) activation joins each pair: 2 per block in forward ("g" after attn.c_proj and
-mlp.c_proj), 2 in backward ("f" before c_attn and c_fc), each about 2(tp_size-1)/tp_size x 4BTC
-bytes sent per rank. The embedding is split by vocabulary (masked lookup + g); lm_head is tied to
-it, so the logits come out split by vocabulary, and --loss_parallel computes the cross-entropy from
-two all-reduces of B*T and 2*B*T numbers (max; sum of exp, target logit) without gathering the
-logits.
+The tp_size ranks of a TP group split every matmul instead of the batch. In each block the first
+linear is column-parallel (rank r owns a slice of its outputs: c_attn's q, k, v by whole heads, so
+attention runs on n_head/tp_size local heads) and the second row-parallel (rank r owns the matching
+inputs and makes a partial sum). Two conjugate operators join each pair: g all-reduces the (B, T, C)
+partial sums after the row-parallel linear in forward, f the input gradient in front of the
+column-parallel one in backward: 2 of each per block, each about 2(tp_size-1)/tp_size x 4BTC bytes
+sent per rank. The embedding is split by vocabulary and lm_head is tied to it: the logits come out
+split by vocabulary; --loss_parallel's cross-entropy needs 2 all-reduces of B*T and 2B*T numbers.
   memory per rank: about 16P/tp_size bytes (fp32 param + grad + AdamW state of this rank's shards,
                    plus the small replicated LayerNorms, row-parallel biases and wpe)
---sequence_parallel: between the linears (LayerNorms, dropout, residual) the activations are split
-along the sequence too, 1/tp_size of their memory: each all-reduce becomes a reduce-scatter (after
-row-parallel) and an all-gather (before column-parallel), the same bytes. The replicated parameters
-then get partial gradients, summed over the TP group after backward.
---tp_overlap: each f and g is fused with its matmul and sent in pieces that travel while the next
-piece is multiplied (Megatron's --tp-comm-overlap): with SP the all-gather and the reduce-scatter
-become tp_size - 1 ring passes between neighbours; without SP the row-parallel all-reduce goes in
-OVERLAP_CHUNKS pieces, and backward's input-gradient all-reduce travels under the weight gradient.
-It needs a free engine to move the bytes (a GPU's copy engines and NIC): on a CPU whose cores all
-compute, it measured no faster (README), so it is off by default.
-2D: tp_size x D (--data_parallel_size) = N ranks in a D x tp_size grid (row = TP group of
-consecutive ranks, column = DP group); each DP group splits the batch and averages its gradients
-after backward.
-
+--sequence_parallel: between the linears the activations are split along the sequence too (1/tp_size
+of their memory): each all-reduce becomes a reduce-scatter after row-parallel and an all-gather
+before column-parallel, the same bytes; the replicated parameters' partial gradients are summed over
+the TP group after backward.
+2D: N = D x tp_size ranks (--data_parallel_size D) in a grid, a row a TP group of consecutive ranks,
+a column a DP group that splits the batch and averages its gradients after backward.
+tp_overlap_train.py: the same, with each f and g sent in pieces under its matmul (--tp_overlap).
 Run:
   python tp_train.py                                    # single process: the reference
   torchrun --standalone --nproc_per_node=2 tp_train.py  # TP=2 (2 GPUs, or 2 CPU processes)
   torchrun --standalone --nproc_per_node=2 tp_train.py --sequence_parallel
-  torchrun --standalone --nproc_per_node=2 tp_train.py --sequence_parallel --tp_overlap
-  torchrun --standalone --nproc_per_node=4 tp_train.py --tensor_parallel_size 2 \\
-           --data_parallel_size 2                       # 2D: 2 (DP) x 2 (TP)
+  torchrun --standalone --nproc_per_node=4 tp_train.py --tensor_parallel_size 2  # DP 2 x TP 2
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv-backend=c10d \\
-           --rdzv-endpoint=HOST:29500 tp_train.py --tensor_parallel_size 8 \\
-           --data_parallel_size 2                       # TP inside a node, DP across nodes
+           --rdzv-endpoint=HOST:29500 tp_train.py --tensor_parallel_size 8  # DP across nodes
   torchrun --standalone --nproc_per_node=2 tp_train.py --implementation pytorch  # peers/torch_tp.py
+The derivations, the design and what was measured: docs/tp.md
 """
 import functools
 import os
 import time
-import types
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -63,10 +51,17 @@ import peers.torch_tp
 
 
 # ---- the strategy: Megatron's conjugate operators, on the TP group -----------------------
-# Shapes: B rows, T positions, C n_embd, V vocabulary, nh heads of hs numbers, tp = tp_size.
-# Each operator moves one activation (or its gradient) of B x T x C numbers; in a ring each rank
-# sends about 2(tp-1)/tp of its bytes for an all-reduce, (tp-1)/tp for an all-gather or a
-# reduce-scatter.
+# Shapes: B rows, T positions, C n_embd, V vocabulary, nh heads of hs numbers, tp = tp_size. A ring
+# sends about 2(tp-1)/tp of a tensor's bytes per rank to all-reduce it, (tp-1)/tp for the others.
+
+class TPGroup:
+    """The tensor-parallel group: its size, this rank's place in it, and whether SP is on."""
+    def __init__(self, group, sequence_parallel):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.sp = sequence_parallel
+
 
 def all_gather(x, group, dim):
     """The ranks' x concatenated in rank order along `dim`: (B, T/tp, C) shards -> (B, T, C)."""
@@ -127,9 +122,55 @@ class ReduceFromTP(torch.autograd.Function):
             return all_gather(grad, ctx.tp.group, dim=1), None
 
 
+# ---- the strategy: the parallel layers ---------------------------------------------------
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = f(x) W_r^T + b_r: this rank's out_features/tp outputs, from the whole input."""
+    def __init__(self, tp, in_features, out_features, bias):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features // tp.size)) if bias else None
+
+    def forward(self, x):  # f: x (B, T, in_features) whole, then the matmul: (B, T, out/tp)
+        return F.linear(CopyToTP.apply(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = g(x_r W_r^T) + b: this rank's in_features/tp slice of the matmul, summed by g; b once."""
+    def __init__(self, tp, in_features, out_features, bias):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x):
+        # this rank's (B, T, out_features) term of the sum, summed by g: (B, T/tp, out) with SP
+        out = ReduceFromTP.apply(F.linear(x, self.weight), self.tp)
+        return out + self.bias if self.bias is not None else out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r owns vocabulary rows [r*V/tp, (r+1)*V/tp): it looks up the ids it owns, zeroes the
+    others, and the sum over ranks (g) is the lookup."""
+    def __init__(self, tp, vocab_size, n_embd):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(vocab_size // tp.size, n_embd))
+        self.vocab_start = tp.rank * (vocab_size // tp.size)
+
+    def forward(self, idx):
+        local = idx - self.vocab_start
+        mine = (local >= 0) & (local < self.weight.size(0))  # the ids this rank owns
+        rows = F.embedding(local.clamp(0, self.weight.size(0) - 1), self.weight)  # (B, T, C)
+        x = rows * mine.unsqueeze(-1)  # the others' ids: zero
+        return ReduceFromTP.apply(x, self.tp)
+
+
+# ---- the strategy: the loss from the vocabulary-split logits ------------------------------
+
 class GatherFromVocab(torch.autograd.Function):
-    """--loss_parallel false: all-gather the (B, T, V/tp) logit slices forward; backward keeps this
-    rank's slice."""
+    """--loss_parallel false: all-gather the (B, T, V/tp) logit slices; backward keeps its own."""
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -167,8 +208,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         logits, m, sum_exp, local, mine = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
-        # g (softmax - onehot), g a row's upstream gradient: |g| softmax = exp(z - m - log(sum_exp)
-        # + log|g|), one exp per chunk written straight in the logits' dtype (3 passes, not 5)
+        # g (softmax - onehot), g a row's upstream gradient, one exp per chunk in the logits' dtype:
+        # |g| softmax = exp(z - m - log(sum_exp) + log|g|) (3 passes over the logits, not 5)
         shift = m + sum_exp.log() - grad.abs().log()  # (N,) fp32; g = 0: +inf, a row of zeros
         for start in range(0, logits.size(0), LOSS_CHUNK_ROWS):
             rows = slice(start, start + LOSS_CHUNK_ROWS)
@@ -178,164 +219,6 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             out.scatter_add_(-1, local[rows, None], -target[:, None])
             out.mul_(grad[rows].sign().to(out.dtype)[:, None])  # g < 0 (a negated loss)
         return grad_logits, None, None, None
-
-
-def all_reduce_grads(grads, group, op=dist.ReduceOp.SUM):
-    """One flat all-reduce of these gradients over `group` (numel x 4 bytes), in place."""
-    flat = torch.cat([grad.reshape(-1) for grad in grads])
-    dist.all_reduce(flat, op=op, group=group)
-    sizes = [grad.numel() for grad in grads]
-    for grad, flat_grad in zip(grads, flat.split(sizes)):
-        grad.copy_(flat_grad.view_as(grad))
-
-
-# ---- the strategy: --tp_overlap, the collectives under the matmuls --------------------------
-# gloo moves a message on its own thread (NCCL on its own stream), so the main thread can multiply
-# meanwhile. Megatron's --tp-comm-overlap and torchtitan's async TP split each collective and its
-# matmul into pieces: piece k travels while piece k+1 is multiplied. Here f and g are each fused
-# with their matmul into one autograd Function, so that the pieces can interleave: the same
-# numbers sent, the same sums in another order.
-
-OVERLAP_CHUNKS = 4  # without SP: pieces of the row-parallel output's all-reduce
-
-
-def wait(works):
-    with timers("exposed_comm"):  # the transfer time the matmuls did not hide
-        for work in works:
-            work.wait()
-
-
-def ring_pass(x, tp):
-    """Sends x to the next TP rank and receives the previous rank's, asynchronously: one
-    batch_isend_irecv, as under NCCL a send may wait for its receive."""
-    received = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x, tp.next, tp.group),
-           dist.P2POp(dist.irecv, received, tp.prev, tp.group)]
-    return received, dist.batch_isend_irecv(ops)
-
-
-def ring_all_gather(x, tp, compute):
-    """With SP: compute(shard) for every rank's sequence shard of x, each while the next travels
-    round the ring (tp - 1 passes of x.numel() numbers: an all-gather's bytes). Returns the
-    results and the shards, each concatenated in rank order along dim 1."""
-    shards, results = [None] * tp.size, [None] * tp.size
-    s = tp.rank  # the shard in hand: first its own, then rank - 1's, rank - 2's, ...
-    for i in range(tp.size):
-        if i < tp.size - 1:
-            received, works = ring_pass(x, tp)  # the shard in hand goes on to rank + 1...
-        shards[s], results[s] = x, compute(x)  # ...while it is multiplied here
-        if i < tp.size - 1:
-            wait(works)
-            x, s = received, (s - 1) % tp.size
-    return torch.cat(results, dim=1), torch.cat(shards, dim=1)
-
-
-def ring_reduce_scatter(term, tp):
-    """With SP: this rank's sequence shard of the sum over ranks of term(s), a rank's term of
-    shard s. At pass i rank r computes its term of shard (r - i - 1) % tp while the sum before
-    travels, adds the sum received from rank r - 1 and sends it on; after tp - 1 passes (a
-    reduce-scatter's bytes) its own shard's sum arrives, and its own term is the last added."""
-    works = None
-    for i in range(tp.size):
-        partial = term((tp.rank - i - 1) % tp.size)  # multiplied while the last pass travels
-        if works is not None:
-            wait(works)
-            partial = partial + received  # the sum of the ranks before, for the same shard
-        if i < tp.size - 1:
-            sent = partial  # kept alive until its send completes
-            received, works = ring_pass(sent, tp)
-    return partial
-
-
-def autocast_inputs(*tensors):
-    """The tensors in the dtype autocast would multiply them in: a Function's backward runs
-    outside autocast, so forward casts what it saves (None stays None)."""
-    device_type = tensors[0].device.type
-    if not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
-    return [t if t is None else t.to(dtype) for t in tensors]
-
-
-class OverlappedColumnParallel(torch.autograd.Function):
-    """--tp_overlap: y = f(x) W_r^T + b_r in one Function.
-    forward:  with SP the all-gather of x is the ring, each shard multiplied while the next
-              travels; without SP nothing is sent.
-    backward: dx = dy W_r is partial on each rank. With SP its reduce-scatter is the ring, each
-              shard's dx computed while the sum before travels; without SP its all-reduce starts
-              at once and travels while dW = dy^T x is computed (Megatron's async all-reduce)."""
-    @staticmethod
-    def forward(ctx, x, weight, bias, tp):
-        ctx.tp, ctx.dtypes, ctx.has_bias = tp, (x.dtype, weight.dtype), bias is not None
-        x, weight, bias = autocast_inputs(x, weight, bias)
-        if tp.sp:  # (B, T/tp, in) shards -> y (B, T, out/tp), and x (B, T, in)
-            y, x = ring_all_gather(x, tp, lambda shard: F.linear(shard, weight, bias))
-        else:
-            y = F.linear(x, weight, bias)
-        ctx.save_for_backward(x, weight)  # x whole, as the plain path's F.linear saves it
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors  # (B, T, in), (out/tp, in)
-        tp, dy = ctx.tp, dy.to(weight.dtype)
-        if tp.sp:  # (B, T/tp, in)
-            dx = ring_reduce_scatter(lambda s: dy.chunk(tp.size, dim=1)[s] @ weight, tp)
-            works = []
-        else:  # (B, T, in)
-            dx = dy @ weight
-            works = [dist.all_reduce(dx, group=tp.group, async_op=True)]  # B*T*in numbers
-        dW = dy.flatten(0, 1).t() @ x.flatten(0, 1)  # computed while dx's all-reduce travels
-        db = dy.sum((0, 1)).to(ctx.dtypes[1]) if ctx.has_bias else None
-        wait(works)
-        return dx.to(ctx.dtypes[0]), dW.to(ctx.dtypes[1]), db, None
-
-
-class OverlappedRowParallel(torch.autograd.Function):
-    """--tp_overlap: g(x_r W_r^T) in one Function (the bias is added after).
-    forward:  with SP the reduce-scatter is the ring, each shard's term multiplied while the sum
-              before travels; without SP the rows are multiplied in OVERLAP_CHUNKS pieces, each
-              piece's all-reduce travelling while the next is multiplied: only the last waits.
-    backward: with SP the all-gather of dy is the ring, each shard's dx computed while the next
-              shard travels; without SP nothing is sent."""
-    @staticmethod
-    def forward(ctx, x, weight, tp):
-        ctx.tp, ctx.dtypes = tp, (x.dtype, weight.dtype)
-        x, weight = autocast_inputs(x, weight)
-        ctx.save_for_backward(x, weight)
-        if tp.sp:  # (B, T, in/tp) -> (B, T/tp, out)
-            return ring_reduce_scatter(lambda s: F.linear(x.chunk(tp.size, dim=1)[s], weight), tp)
-        pieces, works = [], []
-        for rows in x.flatten(0, 1).chunk(OVERLAP_CHUNKS):  # (B*T/chunks, in/tp) each
-            pieces.append(F.linear(rows, weight))  # multiplied while the piece before travels
-            works.append(dist.all_reduce(pieces[-1], group=tp.group, async_op=True))
-        wait(works)
-        return torch.cat(pieces).view(x.shape[0], x.shape[1], -1)  # (B, T, out)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors  # (B, T, in/tp), (out, in/tp)
-        tp, dy = ctx.tp, dy.to(weight.dtype)
-        if tp.sp:  # (B, T/tp, out) shards -> dx (B, T, in/tp), and dy (B, T, out)
-            dx, dy = ring_all_gather(dy.contiguous(), tp, lambda dy_shard: dy_shard @ weight)
-        else:
-            dx = dy @ weight
-        dW = dy.flatten(0, 1).t() @ x.flatten(0, 1)
-        return dx.to(ctx.dtypes[0]), dW.to(ctx.dtypes[1]), None
-
-
-def column_parallel(x, weight, bias, tp):
-    """f(x) W^T + b; with --tp_overlap, one Function whose collectives run under its matmuls."""
-    if tp.overlap:
-        return OverlappedColumnParallel.apply(x, weight, bias, tp)
-    return F.linear(CopyToTP.apply(x, tp), weight, bias)
-
-
-def row_parallel(x, weight, tp):
-    """g(x W^T); with --tp_overlap, one Function whose collectives run under its matmuls."""
-    if tp.overlap:
-        return OverlappedRowParallel.apply(x, weight, tp)
-    return ReduceFromTP.apply(F.linear(x, weight), tp)
 
 
 # ---- the strategy: the model, built from shards ------------------------------------------
@@ -371,25 +254,9 @@ def unshard(name, shards):
     return shards[0] if dim is None else torch.cat(shards, dim=dim)
 
 
-class TPGroup:
-    """The tensor-parallel group: its size, this rank's place in it and its ring neighbours (global
-    ranks), whether SP is on, and whether the collectives overlap the matmuls (--tp_overlap)."""
-    def __init__(self, group, sequence_parallel, overlap=False):
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
-        self.sp = sequence_parallel
-        self.overlap = overlap
-
-
 # ---- the strategy: dropout's two random streams, as in Megatron -----------------------------
-# Without SP the embedding and residual dropouts act on activations every TP rank holds whole: the
-# ranks must drop the same units, or the copies diverge, so they draw from the shared stream, the
-# default generators, made equal on the TP group (share_rng). The attention dropout on a rank's own
-# heads, and with SP every dropout (on its sequence shard), draws from the rank's own stream
-# instead (Megatron's model-parallel RNG), forked here.
+# Activations every TP rank holds whole draw the same masks from the shared stream (share_rng);
+# a rank's own heads, and with SP its sequence shard, draw from the rank's own stream, forked here.
 
 def device_generator(device):
     """The generator the device's ops draw from: CUDA ops the GPU's, not the CPU's."""
@@ -401,9 +268,8 @@ def device_generator(device):
 @contextmanager
 def tp_rank_rng(tp_rank, device):
     """Seeds the device's generator with seed + tp_rank, seed drawn from the shared CPU stream
-    (equal on the TP group; no device sync), and puts the shared state back on exit. The forked
-    stream is a function of the shared one, so the checkpoint's default generator states restore
-    both: no state or communication of its own."""
+    (equal on the TP group; no device sync), and puts the shared state back on exit: a function of
+    the shared stream, restored with it from a checkpoint."""
     seed = int(torch.randint(2**62, ()))
     generator = device_generator(device)
     shared = generator.get_state()
@@ -440,51 +306,7 @@ def fork_sequence_parallel_dropouts(model, tp_rank):
             setattr(model.get_submodule(parent), child, TPRankDropout(module.p, tp_rank))
 
 
-# ---- the strategy: the parallel layers and the model -------------------------------------
-
-class ColumnParallelLinear(nn.Module):
-    """y_r = f(x) W_r^T + b_r: this rank's out_features/tp outputs, from the whole input."""
-    def __init__(self, tp, in_features, out_features, bias):
-        super().__init__()
-        self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features // tp.size)) if bias else None
-
-    def forward(self, x):  # f: x (B, T, in_features) whole, then the matmul: (B, T, out/tp)
-        return column_parallel(x, self.weight, self.bias, self.tp)
-
-
-class RowParallelLinear(nn.Module):
-    """y = g(x_r W_r^T) + b: this rank's in_features/tp slice of the matmul, summed by g; the bias
-    added once."""
-    def __init__(self, tp, in_features, out_features, bias):
-        super().__init__()
-        self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def forward(self, x):
-        # this rank's (B, T, out_features) term of the sum, summed by g: (B, T/tp, out) with SP
-        out = row_parallel(x, self.weight, self.tp)
-        return out + self.bias if self.bias is not None else out
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Rank r owns vocabulary rows [r*V/tp, (r+1)*V/tp): it looks up the ids it owns, zeroes the
-    others, and the sum over ranks (g) is the lookup."""
-    def __init__(self, tp, vocab_size, n_embd):
-        super().__init__()
-        self.tp = tp
-        self.weight = nn.Parameter(torch.empty(vocab_size // tp.size, n_embd))
-        self.vocab_start = tp.rank * (vocab_size // tp.size)
-
-    def forward(self, idx):
-        local = idx - self.vocab_start
-        mine = (local >= 0) & (local < self.weight.size(0))  # the ids this rank owns
-        rows = F.embedding(local.clamp(0, self.weight.size(0) - 1), self.weight)  # (B, T, C)
-        x = rows * mine.unsqueeze(-1)  # the others' ids: zero
-        return ReduceFromTP.apply(x, self.tp)
-
+# ---- the strategy: the model and the training step ---------------------------------------
 
 class TPAttention(nn.Module):
     """Causal self-attention on this rank's n_head/tp heads: c_attn gives their q, k, v whole, so
@@ -561,7 +383,7 @@ class TPGPT(GPT):
             x = block(x)
         x = self.transformer.ln_f(x)
         # f and lm_head, tied to wte: (B, T, C), or (B, T/tp, C) with SP -> (B, T, V/tp)
-        logits = column_parallel(x, self.transformer.wte.weight, None, self.tp)
+        logits = F.linear(CopyToTP.apply(x, self.tp), self.transformer.wte.weight)
         if targets is None:
             return logits, None
         if self.loss_parallel:
@@ -575,6 +397,15 @@ class TPGPT(GPT):
         return logits, loss
 
 
+def all_reduce_grads(grads, group, op=dist.ReduceOp.SUM):
+    """One flat all-reduce of these gradients over `group` (numel x 4 bytes), in place."""
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat, op=op, group=group)
+    sizes = [grad.numel() for grad in grads]
+    for grad, flat_grad in zip(grads, flat.split(sizes)):
+        grad.copy_(flat_grad.view_as(grad))
+
+
 class TensorParallel:
     """The strategy behind the few methods the training loop calls: TPGPT's shards on the TP group
     (a row of the D x tp_size grid), its gradients averaged over the DP group (a column)."""
@@ -582,28 +413,21 @@ class TensorParallel:
     def __init__(self, config, args, device, state=None):
         self.args, self.device = args, device
         self.tp_size = args.tensor_parallel_size
-        # The D x tp_size grid: row d a TP group (consecutive ranks: one node's fast links), column
-        # a DP group. Every rank creates every group.
+        # the D x tp_size grid: a row a TP group (consecutive ranks: a node's links), a column DP
         self.grid = torch.arange(dist.get_world_size()).view(-1, self.tp_size)
         self.tp_group, _ = dist.new_subgroups_by_enumeration(self.grid.tolist())
         self.dp_group, _ = dist.new_subgroups_by_enumeration(self.grid.t().tolist())
         self.share_rng(resumed=state is not None)
-        tp = TPGroup(self.tp_group, args.sequence_parallel, args.tp_overlap)
+        tp = TPGroup(self.tp_group, args.sequence_parallel)
         self.model = TPGPT(tp, config, args.seed, device, args.loss_parallel, state)
-        # --compile: each block's forward between its f and g: the parallel linears (their
-        # collectives) and SDPA (its dropout's tp_rank_rng switches generators) run eagerly; the
-        # LayerNorms, the heads' reshapes, GELU, dropout and residuals are compiled
+        # --compile: what lies between f and g; the linears (collectives) and SDPA (its RNG) eager
         compile_forward(self.model.transformer.h, args.compile, BLOCK_LINEARS + ("attn.attend",))
-        # full: a block's recompute in backward runs its f and g again, so each block's forward
-        # collectives (2 all-reduces; with SP 2 all-gathers and 2 reduce-scatters) run twice
+        # full: a block's recompute runs its forward collectives again in backward
         checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
 
     def share_rng(self, resumed):
-        """Makes dropout's shared stream, the default generators (CPU, and the device's), equal on
-        the TP group's ranks and different across DP replicas. Fresh: seeded by DP rank (setup()
-        seeded by global rank). Resumed: resume() restored each rank's states; TP rank 0's go to
-        the others, as a checkpoint of another world size or script holds unequal ones (of this
-        layout: equal already). Once, not per step."""
+        """Dropout's shared stream, the default generators (CPU and device): equal on the TP group,
+        once. Fresh: seeded by DP rank. Resumed: TP rank 0's go to the others (layouts differ)."""
         generators = [torch.default_generator, device_generator(self.device)]
         for generator in dict.fromkeys(generators):  # in order; the CPU's once on a CPU device
             if resumed:
@@ -625,8 +449,7 @@ class TensorParallel:
 
     def local_piece(self, name, p, full):
         """A new tensor laid out like parameter `p`: this rank's piece of the full tensor `name`."""
-        tp_rank = dist.get_rank(self.tp_group)
-        return torch.empty_like(p).copy_(shard(name, full, tp_rank, self.tp_size))
+        return torch.empty_like(p).copy_(shard(name, full, self.model.tp.rank, self.tp_size))
 
     def forward_backward(self, x, y, sync):
         """One micro-step; returns its loss. sync=False: accumulate only."""
@@ -642,33 +465,9 @@ class TensorParallel:
 
     def average_over_dp(self, grads):
         """DP: the mean over the DP group of this rank's local gradients, one flat all-reduce of
-        about 4P/tp_size bytes after backward (Megatron's default; ddp_train.py shows how to
-        overlap it with backward)."""
+        about 4P/tp_size bytes after backward (Megatron's default; ddp_train.py overlaps it)."""
         if len(self.grid) > 1:
             all_reduce_grads(grads, self.dp_group, op=dist.ReduceOp.AVG)
-
-    def rank_ordered(self, name, full):
-        """For TorchTP: c_attn's [q; k; v] rows in rank order [q_0; k_0; v_0; q_1; ...] (every
-        rank's shard(), stacked), so that DTensor's contiguous chunks hold whole heads."""
-        if "c_attn" not in name:
-            return full
-        return torch.cat([shard(name, full, r, self.tp_size) for r in range(self.tp_size)])
-
-    def head_ordered(self, name, full):
-        """The inverse of rank_ordered(): unshard() of the stacked shards."""
-        return unshard(name, full.chunk(self.tp_size))
-
-    def use_local_heads(self, model, tp_rank):
-        """For TorchTP's plain GPT: its attentions run TPAttention.forward on this rank's
-        n_head/tp_size heads, and with SP its dropouts draw from the rank's own stream, as in
-        TPGPT."""
-        for block in model.transformer.h:
-            block.attn.n_head = block.attn.n_head // self.tp_size
-            block.attn.tp_rank = tp_rank
-            block.attn.forward = types.MethodType(TPAttention.forward, block.attn)
-            block.attn.attend = types.MethodType(TPAttention.attend, block.attn)
-        if self.args.sequence_parallel:
-            fork_sequence_parallel_dropouts(model, tp_rank)
 
     @torch.no_grad()
     def eval_loss(self, x, y):
@@ -679,8 +478,7 @@ class TensorParallel:
         return loss.float()
 
     def clip_grad_norm_(self, max_norm):
-        # Sharded gradients' squares are summed over the TP group, the replicated ones (equal on
-        # every TP rank) counted once. Over the DP group the gradients are equal already.
+        # the sharded gradients' squares summed over the TP group, the replicated ones counted once
         named = list(self.model.named_parameters())
         sharded = [p.grad for n, p in named if shard_dim(n) is not None]
         replicated = [p.grad for n, p in named if shard_dim(n) is None]
@@ -691,14 +489,11 @@ class TensorParallel:
         gathered from its TP group, one at a time, and rank 0 copies it to the CPU before the
         next; the other ranks keep nothing."""
         rank0 = dist.get_rank() == 0
-        named = list(self.model.named_parameters())
-        model = {}
-        for name, p in named:
+        model, optim = {}, {}
+        for name, p in self.model.named_parameters():
             value = self.full_tensor(name, p.detach())
             if rank0:
                 model[name] = value.to("cpu", copy=True)
-        optim = {}
-        for name, p in named:
             for key, value in optimizer.state.get(p, {}).items():
                 if value.dim():  # exp_avg, exp_avg_sq (not step, a CPU scalar)
                     value = self.full_tensor(name, value)
@@ -725,8 +520,10 @@ class TensorParallel:
 
 
 class TorchTP(peers.torch_tp.TorchTP, TensorParallel):
-    """--implementation pytorch: DTensor's parallelize_module on the plain GPT in place of TPGPT
-    (peers/torch_tp.py); the other methods are TensorParallel's."""
+    """--implementation pytorch: DTensor's plan on the plain GPT (peers/torch_tp.py), whose
+    attentions run TPAttention's on the local heads; the other methods are TensorParallel's."""
+    shard, unshard = staticmethod(shard), staticmethod(unshard)
+    fork_dropouts, attention = staticmethod(fork_sequence_parallel_dropouts), TPAttention
 
 
 def add_tp_flags(group):
@@ -738,13 +535,14 @@ def add_tp_flags(group):
              "split LayerNorm/dropout/residual activations by sequence")
     add_bool(group, "--loss_parallel", True,
              "vocab-parallel cross-entropy; false: gather the logits")
-    add_bool(group, "--tp_overlap", False,
-             "split the activations' collectives into pieces that travel under the matmuls")
+    group.add_argument("--tp_overlap", nargs="?", const=True, help="moved: tp_overlap_train.py")
 
 
 def check_tp_args(args, world_size):
     """Bad input ends every rank with one line, before anything is built. Fills in both sizes of
     the D x tp_size grid (args.tensor_parallel_size, args.data_parallel_size) and returns D."""
+    if args.tp_overlap is not None:
+        die("--tp_overlap: the collectives overlapped with the matmuls are in tp_overlap_train.py")
     tp_size, D = args.tensor_parallel_size, args.data_parallel_size
     for flag, size in (("--tensor_parallel_size", tp_size), ("--data_parallel_size", D)):
         if size is not None and size <= 0:
@@ -761,9 +559,6 @@ def check_tp_args(args, world_size):
     if tp_size and args.sequence_parallel and args.block_size % tp_size:
         die(f"--block_size: sequence length {args.block_size} must be divisible by "
             f"--tensor_parallel_size ({tp_size}) with --sequence_parallel")
-    if args.tp_overlap and args.implementation == "pytorch":
-        die("--tp_overlap: custom only; torch's async TP needs torch.compile and CUDA's symmetric "
-            "memory")
     if tp_size * D != world_size or tp_size == 0:
         die(f"--tensor_parallel_size: {tp_size} x --data_parallel_size {D} must equal the world "
             f"size ({world_size})")
@@ -830,8 +625,7 @@ def main(argv=None):
             part = slice(j * micro, (j + 1) * micro)
             loss_sum += model.forward_backward(x[part], y[part], sync=j == A - 1)
         batches.prefetch(step + 1)  # built and copied while the device runs this step
-        # Logged loss: the mean over all B*T tokens of the global batch (equal chunks: mean of
-        # means).
+        # logged: the mean over the global batch's B*T tokens (equal chunks: the mean of means)
         loss_sum /= A
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=model.dp_group)
         norm = model.clip_grad_norm_(args.grad_clip)

@@ -3,43 +3,28 @@
 ZeRO removes data parallelism's copies of the model state in three steps (--stage): 1 the AdamW
 state, 2 the gradients too, 3 the parameters too; a rank keeps those only for the tensors it owns
 (FSDP instead slices every tensor over the N ranks). Greedy partition, largest tensor first onto
-the least-loaded rank: no rank owns more than P/N + the largest tensor (P_own: about P/N). Tensors
-under --persistence_threshold elements stay replicated, as in DDP: every rank keeps all their
-state, runs AdamW on them and all-reduces their gradients once a step.
+the least-loaded rank: no rank owns more than P/N + the largest tensor (P_own: about P/N).
 Memory per rank, fp32 (AdamW state: 8 bytes an element):
   stage 1:  4P params + 4P grads + 8P_own.
   stage 2:  4P params + 4P_own grads + 8P_own, plus the non-owned gradients whose reduce is in
-            flight: at most --reduce_bucket_mb of them (or one gradient, when it is larger).
-  stage 3:  16P/N (owned params, grads, AdamW state) + the non-owned tensors fetched at the moment
-            (a module or two).
-What moves:
-  stage 1:  the gradients are all-reduced (averaged) in buckets overlapped with backward, as in
-            ddp_train.py; AdamW steps the owned tensors only, then each owner broadcasts them (one
+            flight: at most 25 MiB, DDP's bucket (or one gradient, when it is larger).
+  stage 3:  16P/N (owned params, grads, AdamW state) + the non-owned tensors fetched at the moment.
+What moves, per step of A micro-steps (bytes each rank hands to the collectives):
+  stage 1:  the gradients are all-reduced in buckets overlapped with backward, as in ddp_train.py
+            (4P); AdamW steps the owned tensors only, then each owner broadcasts them (4P, one
             message per owner: its tensors are views of one flat buffer).
   stage 2:  each gradient goes to its owner with an async reduce as soon as backward has
-            accumulated it, on every micro-step; a non-owner drops it once the reduce is waited for,
-            the oldest first when --reduce_bucket_mb would be exceeded. After the step, broadcasts
-            from the owners as in stage 1.
+            accumulated it, on every micro-step (A x 4P); a non-owner drops it once the reduce is
+            waited for. Then stage 1's broadcasts (4P).
   stage 3:  stage 2's reduces, and no broadcast after the step: before each module's forward its
-            tensors are broadcast from their owners (one message per owner), the next module's
-            already in flight (--prefetch); after it the non-owners free them, unless used again
-            soon (--max_reuse_distance: the tied wte, kept until the head). Backward fetches and
-            frees them again around each module.
-Bytes handed to the collectives per step by each rank (A micro-steps):
-  stage 1:  all-reduce 4P + broadcasts 4P. A ring all-reduce is a reduce-scatter plus an
-            all-gather, each (N-1)/N x 4P per rank: DDP's 2(N-1)/N x 4P. ZeRO-1 costs DDP's
-            traffic only with its all-reduce split so: the owners need only their own tensors'
-            summed gradient (the reduce-scatter), and their broadcast replaces the all-gather.
-            This one all-reduces the whole gradient, as ddp does, so it sends 2(N-1)/N x 4P and
-            about (N-1)/N x 4P more in broadcasts: 3(N-1)/N x 4P.
-  stage 2:  reduces of 4P on every micro-step (A x 4P) + broadcasts of 4P: the reduce to the
-            owners is that reduce-scatter, so at A = 1 DDP's 2(N-1)/N x 4P.
-  stage 3:  per micro-step 2 broadcasts + 1 reduce of 4P, less one broadcast of wpe (a lookup's
-            backward reads no weight) and of the tied wte/lm_head (one tensor: fetched for the
-            embedding and kept for the head, reduced once with both uses summed).
-  --dtype bfloat16: stages 1 and 2 compute under autocast with fp32 parameters, as ddp. Stage 3
-            computes with bf16 parameters, broadcast in bf16 (2P bytes: each owner casts its fp32
-            master); gradients are reduced in fp32, AdamW updates the fp32 masters.
+            tensors are broadcast from their owners, the next module's already in flight
+            (--prefetch); after it the non-owners free them, but the tied wte stays until the head.
+            Backward fetches and frees them again: per micro-step 2 broadcasts + 1 reduce of 4P,
+            less one broadcast of wpe (a lookup's backward reads no weight) and of the tied wte.
+  --dtype bfloat16: stages 1 and 2 autocast fp32 parameters, as ddp. Stage 3 computes with bf16
+            parameters, broadcast in bf16 (2P bytes), and AdamW updates the owners' fp32 masters.
+DeepSpeed's tuning knobs (--persistence_threshold, --reduce_bucket_mb, --max_reuse_distance) are
+in zero3_tuning_train.py.
 
 Run:
   python zero3_train.py                                   # single process: rank 0 owns everything
@@ -49,6 +34,7 @@ Run:
   torchrun --standalone --nproc_per_node=2 zero3_train.py --stage 1   # or 2; default 3
   python zero3_train.py --implementation pytorch          # FSDP2 (fully_shard): torch's own ZeRO-3
   python zero3_train.py --stage 1 --implementation pytorch  # DDP + ZeroRedundancyOptimizer(AdamW)
+The traffic against DDP's, the measurements and the design choices: docs/zero3.md.
 """
 import os
 import time
@@ -71,18 +57,16 @@ import peers.torch_zero3
 
 # ---- stage 1: the AdamW state sharded; gradients in ddp_train.py's buckets (end of file) ----
 
-def partition(named_shapes, world_size, persistence_threshold):
-    """{name: owner rank, or None for a persistent (replicated) tensor}, and the elements per rank.
-    Greedy (LPT): largest tensor first, each onto the rank with the fewest elements so far (lowest
-    rank on ties). Bound: when the most-loaded rank got its last tensor it was the least loaded,
-    so max(load) <= partitioned / N + largest."""
+def partition(named_shapes, world_size):
+    """{name: owner rank}, and the elements per rank. Greedy (LPT): largest tensor first, each onto
+    the rank with the fewest elements so far (lowest rank on ties). Bound: when the most-loaded
+    rank got its last tensor it was the least loaded, so max(load) <= P / N + largest."""
     sizes = {name: torch.Size(shape).numel() for name, shape in named_shapes}
-    owner = dict.fromkeys(sizes)  # None: persistent
+    owner = dict.fromkeys(sizes)  # model order
     load = [0] * world_size
     for name in sorted(sizes, key=lambda n: -sizes[n]):  # stable: equal sizes keep model order
-        if sizes[name] >= persistence_threshold:
-            owner[name] = min(range(world_size), key=lambda r: load[r])
-            load[owner[name]] += sizes[name]
+        owner[name] = min(range(world_size), key=lambda r: load[r])
+        load[owner[name]] += sizes[name]
     return owner, load
 
 
@@ -108,8 +92,8 @@ def flatten_(tensors):
 class OwnedAdamW(torch.optim.Optimizer):
     """Stages 1 and 2's optimizer, laid out as ZeroRedundancyOptimizer is: its param_groups (the
     contract's two) hold every parameter, so the loop sets their lr and zeroes every gradient, and
-    the state bytes count them all; `adamw`, built on the `kept` (name, tensor) pairs (owned or
-    persistent), alone has state and steps. `owner`: {parameter: rank, None if persistent}."""
+    the state bytes count them all; `adamw`, built on the `kept` (name, tensor) pairs this rank
+    owns, alone has state and steps. `owner`: {parameter: rank}."""
 
     def __init__(self, named_params, kept, owner, args):
         hyper = (args.weight_decay, args.learning_rate, (args.beta1, args.beta2))
@@ -119,7 +103,7 @@ class OwnedAdamW(torch.optim.Optimizer):
         # Each owner's tensors become views of one flat buffer (ZeroRedundancyOptimizer's
         # parameters_as_bucket_view), so that its broadcast after the step is one message.
         self.flats = []  # (owner, its flat buffer), in rank order
-        for rank in sorted({r for r in owner.values() if r is not None}):
+        for rank in sorted(set(owner.values())):
             self.flats.append((rank, flatten_([p for p, r in owner.items() if r == rank])))
 
     @torch.no_grad()
@@ -127,9 +111,8 @@ class OwnedAdamW(torch.optim.Optimizer):
         for group, mine in zip(self.param_groups, self.adamw.param_groups):
             mine["lr"] = group["lr"]
         self.adamw.step()
-        # Each owner sends its updated tensors (4 P_own bytes, one message) to every rank: the
-        # replicas are equal again. Async, issued in owner order on every rank, then waited for:
-        # the next forward reads them all.
+        # Each owner sends its updated tensors (4 P_own bytes, one message) to every rank, so the
+        # replicas are equal again. Async, in owner order on every rank; the next forward reads all.
         works = [dist.broadcast(flat, src=owner, async_op=True) for owner, flat in self.flats]
         with timers("broadcast_wait"):
             for work in works:
@@ -139,10 +122,10 @@ class OwnedAdamW(torch.optim.Optimizer):
 class ZeRO1:
     """Stage 1 behind the few methods the training loop calls: the whole GPT and every gradient on
     every rank, as in DDP (GradientBuckets averages them); AdamW state only for the tensors a rank
-    keeps (owned, or persistent), which OwnedAdamW steps and its owner then broadcasts. Stages 2
-    and 3 override the steps of the construction: build_model and reduce_gradients."""
+    owns, which OwnedAdamW steps and then broadcasts. Stages 2 and 3 override the steps of the
+    construction: build_model and reduce_gradients."""
     dp_group = None  # the ranks that split the batch: all of them
-    bucket_cap_mb = 25  # GradientBuckets' size: DDP's default
+    bucket_cap_mb = 25  # GradientBuckets' size, and stage 2's window: DDP's default
     sharded = "AdamW state"  # what describe() says is owned
 
     def __init__(self, config, args, device, state=None):
@@ -150,39 +133,33 @@ class ZeRO1:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         shapes = [(n, p.shape) for n, p in GPT(config, device="meta").named_parameters()]
-        owner = self.assign_owners(shapes, args.persistence_threshold)  # {name: rank or None}
+        owner = self.assign_owners(shapes)  # {name: rank}
         self.model, self.masters = self.build_model(config, owner, state)
         # --compile: each block's forward, as ddp (one graph for the whole model would leave every
-        # reduce to its end); at stage 3, ParamFetcher's module hooks around each block stay eager.
-        # Stages 1-2: the head too (ln_f, lm_head, the loss fused); at stage 3 its modules have
-        # fetch hooks, which a compiled head would trace
+        # reduce to its end). Stages 1-2: the head too (ln_f, lm_head, the loss fused); stage 3's
+        # ParamFetcher hooks around each module stay eager, which a compiled head would trace.
         compile_forward(self.model.transformer.h, args.compile)
         compile_forward([self.model], args.compile and args.stage < 3, method="head")
         checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         named = list(self.model.named_parameters())
-        self.owner = {p: owner[n] for n, p in named}  # parameter -> its rank, None: persistent
+        self.owner = {p: owner[n] for n, p in named}  # parameter -> its rank
         self.kept = [(n, self.masters[p]) for n, p in named if p in self.masters]  # AdamW's
         self.reduce_gradients()
 
-    def assign_owners(self, named_shapes, threshold, theirs=None):
-        """partition() over the ranks: {name: owner rank, None if persistent}. Rank 0 prints it,
-        beside `theirs` (ZeroRedundancyOptimizer's (tensors, elements) per rank) if given."""
-        owner, load = partition(named_shapes, dist.get_world_size(), threshold)
+    def assign_owners(self, named_shapes):
+        """partition() over the ranks: {name: owner rank}, which rank 0 prints."""
+        owner, load = partition(named_shapes, dist.get_world_size())
         if dist.get_rank() == 0:
-            persistent = [torch.Size(s).numel() for n, s in named_shapes if owner[n] is None]
-            print_partition(owner, load, 4 * sum(persistent), theirs)
+            print_partition(owner, load)
         return owner
 
     def build_model(self, config, owner, state):
-        """The whole model on every rank, as in DDP; returns it and {kept parameter: its master},
+        """The whole model on every rank, as in DDP; returns it and {owned parameter: its master},
         the fp32 tensor AdamW updates: here the parameter itself."""
         model = GPT(config, seed=self.args.seed, device=self.device)
         if state is not None:  # a full checkpoint from any script: every rank loads all of it
             model.load_state_dict(state)
-        masters = {}
-        for name, p in model.named_parameters():
-            if owner[name] in (None, self.rank):
-                masters[p] = p
+        masters = {p: p for name, p in model.named_parameters() if owner[name] == self.rank}
         return model, masters
 
     def reduce_gradients(self):
@@ -194,10 +171,13 @@ class ZeRO1:
 
     def configure_optimizer(self, args, state=None):
         optimizer = OwnedAdamW(self.model.named_parameters(), self.kept, self.owner, args)
+        self.load_adamw_state(optimizer, state)
+        return optimizer
+
+    def load_adamw_state(self, optimizer, state):
         if state:  # a checkpoint's AdamW state by name: each rank loads what it keeps
             for name, p in self.kept:
                 set_adamw_state(optimizer, p, state[name], partial(self.local, p))
-        return optimizer
 
     def local(self, p, full):
         """This rank's part of a full tensor, laid out like p: a whole tensor, all of it."""
@@ -227,11 +207,9 @@ class ZeRO1:
         return loss.float()
 
     def clip_grad_norm_(self, max_norm):
-        # The norm needs each gradient element once: the owned ones (summed over the ranks), then
-        # the persistent ones, equal on every rank. Stage 1 holds every gradient, counts its own.
+        # Each gradient element once: the owned ones, summed over the ranks (stage 1 holds all).
         owned = [self.masters[p].grad for p, r in self.owner.items() if r == self.rank]
-        persistent = [self.masters[p].grad for p, r in self.owner.items() if r is None]
-        return clip_grad_norm_(owned, persistent, max_norm)
+        return clip_grad_norm_(owned, [], max_norm)
 
     def full_state(self, optimizer):
         return gather_full_state(self.model, optimizer, self.owner, self.masters)
@@ -251,21 +229,19 @@ class TorchZeRO1(peers.torch_zero3.TorchZeRO1, ZeRO1):
 
 class ReduceToOwner:
     """Stage 2's gradients (and stage 3's): each one goes to its owner with an async reduce as soon
-    as backward has accumulated it, on every micro-step; a non-owner keeps none. Persistent
-    (replicated) gradients: one all-reduce on the syncing micro-step. Hooks fire in the same order
-    on every rank, so all issue the same collectives. Call `finish_backward()` after every
-    backward; `sync_persistent = False` before accumulating only. `owner`: {parameter: rank, None
-    if persistent}; `masters`: {kept parameter: the fp32 tensor AdamW updates here}."""
+    as backward has accumulated it, on every micro-step; a non-owner keeps none. Hooks fire in the
+    same order on every rank, so all issue the same reduces. Call `finish_backward()` after every
+    backward; set `sync = False` before a micro-step that is not the step's last. `owner`:
+    {parameter: rank}; `masters`: {owned parameter: the fp32 tensor AdamW updates here}."""
 
     def __init__(self, owner, rank, masters, reduce_bucket_bytes):
         self.owner = owner
         self.masters = masters
         self.owned = [masters[p] for p, r in owner.items() if r == rank]
-        self.persistent = [masters[p] for p, r in owner.items() if r is None]
-        self.reduces = deque()  # (gradient, its in-flight reduce or all-reduce), oldest first
+        self.reduces = deque()  # (gradient, its in-flight reduce), oldest first
         self.in_flight = 0  # the bytes of those gradients
-        self.window = reduce_bucket_bytes  # --reduce_bucket_mb: the most bytes in flight
-        self.sync_persistent = True
+        self.window = reduce_bucket_bytes  # the most bytes in flight
+        self.sync = True
         self.first_micro_step = True  # the next backward's gradients replace zero_grad's zeros
         for p in owner:
             p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -273,19 +249,15 @@ class ReduceToOwner:
     def _grad_ready(self, p):
         # Runs in backward once p.grad holds this micro-step's full gradient (the tied wte/lm_head:
         # once, both uses summed). Every rank sends its fp32 gradient (numel x 4 bytes) to the
-        # owner, which receives the sum. The owner's fp32 gradient holds the earlier micro-steps'
-        # sums too: that is the accumulated gradient.
+        # owner, which receives the sum; the owner's holds the earlier micro-steps' sums too.
         grad = p.grad.float()  # bf16: an fp32 copy; fp32: p.grad itself
         master = self.masters.get(p)
-        if master is not p:  # a non-owner keeps no gradient (the reduce holds what it sends)
-            p.grad = None  # nor does a bf16 p
-            if master is not None:  # the owner under bf16: its fp32 master's gradient accumulates
-                if self.first_micro_step:  # the gradient replaces the zeros zero_grad left (no
-                    master.grad = grad  # pass to add them, a tensor)
-                else:
-                    grad = master.grad.add_(grad)  # the sum so far goes to the reduce
-        if self.owner[p] is None and not self.sync_persistent:
-            return  # a replicated gradient only accumulates on this micro-step
+        if master is not p:  # a non-owner's p.grad goes (the reduce holds it), and a bf16 one
+            p.grad = None
+            if master is not None and self.first_micro_step:  # bf16: the owner's fp32 master
+                master.grad = grad  # in place of zero_grad's zeros: no pass to add them
+            elif master is not None:
+                grad = master.grad.add_(grad)  # the sum so far goes to the reduce
         # A bounded window (DeepSpeed's reduce_bucket_size): while this gradient would put more
         # than `window` bytes in flight, wait for the oldest reduce and drop its gradient. Waiting
         # only on is_completed() would free nothing on CUDA, where the host runs ahead of the
@@ -293,11 +265,7 @@ class ReduceToOwner:
         nbytes = grad.numel() * grad.element_size()
         while self.reduces and self.in_flight + nbytes > self.window:
             self._wait_oldest()
-        if self.owner[p] is not None:
-            work = dist.reduce(grad, dst=self.owner[p], async_op=True)
-        else:  # replicated tensor: sum every rank's gradient on every rank
-            work = dist.all_reduce(grad, async_op=True)
-        self.reduces.append((grad, work))
+        self.reduces.append((grad, dist.reduce(grad, dst=self.owner[p], async_op=True)))
         self.in_flight += nbytes
 
     def _wait_oldest(self):
@@ -312,7 +280,7 @@ class ReduceToOwner:
         """Wait for the gradient reduces; afterwards no rank holds a non-owned gradient."""
         while self.reduces:
             self._wait_oldest()
-        self.first_micro_step = self.sync_persistent  # after the step's last, a step starts
+        self.first_micro_step = self.sync  # after the step's last, a step starts
 
 
 class ZeRO2(ZeRO1):
@@ -321,17 +289,15 @@ class ZeRO2(ZeRO1):
     sharded = "AdamW state and gradients"
 
     def reduce_gradients(self):
-        window = int(self.args.reduce_bucket_mb * 2**20)  # bytes
+        window = int(self.bucket_cap_mb * 2**20)  # bytes: one DDP bucket in flight, at most
         self.reducer = ReduceToOwner(self.owner, self.rank, self.masters, window)
 
     def forward_backward(self, x, y, sync):
-        """One micro-step; returns its loss. sync=False: persistent gradients only accumulate."""
-        self.reducer.sync_persistent = sync
+        """One micro-step; returns its loss. sync: the step's last micro-step."""
+        self.reducer.sync = sync
         with activations.first(), autocast(self.args, self.device):  # the bytes kept for backward
             _, loss = self.model(x, y)
-        # As in stage 1: with the loss divided by A*N, backward writes g/(A*N) and the reduces'
-        # plain sums are the mean, with no pass over the gradients to divide them (one op a
-        # tensor, every step). N a power of 2: the same bits as dividing after the sum.
+        # As in stage 1, the loss divided by A*N makes the reduces' plain sums the mean.
         (loss / (self.args.grad_accum_steps * self.world_size)).backward()
         self.reducer.finish_backward()
         return loss.detach().float()
@@ -340,18 +306,16 @@ class ZeRO2(ZeRO1):
 # ---- stage 3: the parameters sharded too, fetched around each module -------------------------
 
 def materialize_owned_(model, owner, rank, values, device, dtype=torch.float32):
-    """Deferred init of the meta `model`: storage and a value, `values[name]` (the initial value,
-    or the checkpoint's), only for the fp32 masters of the tensors this rank owns and the
-    persistent ones; returns {parameter: master}. The model computes with the masters themselves
-    in fp32 (persistent ones always), else, as with the tensors owned elsewhere, with `dtype`
-    parameters of 0 bytes of storage, which a broadcast fills when needed."""
+    """Deferred init of the meta `model`: storage and a value (`values[name]`: the initial one, or
+    the checkpoint's) only for the fp32 masters of the tensors this rank owns; returns {parameter:
+    master}. In fp32 the model computes with the masters themselves; else, as with the tensors
+    owned elsewhere, with `dtype` parameters of 0 bytes of storage, which a broadcast fills."""
     made = {}  # meta parameter -> the parameter the model computes with
-    masters = {}  # meta parameter -> its fp32 master, for the kept ones
+    masters = {}  # meta parameter -> its fp32 master, for the owned ones
     for name, p in model.named_parameters():  # the tied weight appears once
-        if owner[name] in (None, rank):
-            value = values[name].to(device, torch.float32, copy=True)
-            masters[p] = torch.nn.Parameter(value)
-        if p in masters and (owner[name] is None or dtype == torch.float32):
+        if owner[name] == rank:
+            masters[p] = torch.nn.Parameter(values[name].to(device, torch.float32, copy=True))
+        if p in masters and dtype == torch.float32:
             made[p] = masters[p]
         else:  # allocated and at once given back: at most one tensor's bytes, once
             made[p] = torch.nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype))
@@ -363,33 +327,28 @@ def materialize_owned_(model, owner, rank, values, device, dtype=torch.float32):
 
 
 class ParamFetcher:
-    """Stage 3's parameters: before each module's forward (and backward) the partitioned tensors
-    it uses are broadcast from their owners, the next module's already on the way (prefetch);
-    after it the non-owners free them. Every rank keeps the same `fetched` bookkeeping, so all
-    issue the same broadcasts. `owner`: {parameter: rank, None if persistent}; `masters`:
-    materialize_owned_'s."""
+    """Stage 3's parameters: before each module's forward (and backward) the tensors it uses are
+    broadcast from their owners, the next module's already on the way (prefetch); after it the
+    non-owners free them. Every rank keeps the same `fetched` bookkeeping, so all issue the same
+    broadcasts. `owner`: {parameter: rank}; `masters`: materialize_owned_'s."""
 
-    def __init__(self, model, owner, rank, masters, prefetch=True, max_reuse_distance=0):
-        self.owner = owner
+    def __init__(self, model, owner, rank, masters, prefetch=True, max_reuse_distance=10**9):
         self.rank = rank
         self.masters = masters
         self.prefetch = prefetch
         self.units = [model.transformer.wte, model.transformer.wpe, *model.transformer.h,
                       model.transformer.ln_f, model.lm_head]  # the modules, in forward order
-        # One broadcast per (module, owner), not per tensor: that owner's tensors of a module are
-        # views of one flat buffer.
+        # One broadcast per (module, owner): that owner's tensors of a module are one flat buffer.
         self.buffer_owner = {}  # flat buffer -> its owner's rank
         self.flat_master = {}  # flat buffer -> the owner's fp32 flat master of it
         self.unit_buffers = []  # per module: its flat buffers, one per owner, in rank order
         for unit in self.units:
-            owners = sorted({owner[p] for p in unit.parameters()} - {None})
             buffers = []
-            for r in owners:
+            for r in sorted({owner[p] for p in unit.parameters()}):
                 buffers.append(self._buffer([p for p in unit.parameters() if owner[p] == r], r))
             self.unit_buffers.append(buffers)
-        # DeepSpeed's stage3_max_reuse_distance: module i's forward keeps (keep[i]) the buffers a
-        # later module j uses again, when at most this many elements are fetched in between (the
-        # tied wte: 1 broadcast a micro-step, not 2; V x C values held).
+        # Module i's forward keeps (keep[i]) the buffers a later module j uses again, when at most
+        # max_reuse_distance elements (DeepSpeed's default) are fetched in between: the tied wte.
         sizes = [sum(flat.numel() for flat in buffers) for buffers in self.unit_buffers]
         self.keep = []
         for i, buffers in enumerate(self.unit_buffers):
@@ -409,8 +368,8 @@ class ParamFetcher:
 
     def _buffer(self, params, owner):
         """The flat buffer the module computes with, holding `params`, owned by `owner` (the tied
-        wte: one buffer for both its modules). Its owner also keeps the flat fp32 master of the
-        buffer: in fp32 the buffer itself."""
+        wte: one buffer for both its modules). Its owner also keeps the buffer's flat fp32 master:
+        in fp32 the buffer itself."""
         flat = flatten_(params)
         self.buffer_owner[flat] = owner
         if owner == self.rank:
@@ -430,10 +389,9 @@ class ParamFetcher:
                 flat.untyped_storage().resize_(flat.numel() * flat.element_size())
                 if master is not None:
                     flat.data.copy_(master.detach())  # bf16: the owner casts its fp32 master
-            # The owner sends its tensors (numel x 4 bytes; bf16: 2) to every other rank, async: it
-            # overlaps the running module. .data: writing in place must not bump the autograd
-            # version counters saved tensors check. What autograd saves are views of this buffer
-            # (under bf16 too: no autocast copies to keep).
+            # The owner sends its tensors (numel x 4 bytes; bf16: 2) to every other rank, async,
+            # overlapping the running module. Through .data, so that no autograd version counter
+            # moves; autograd saves views of this buffer (no autocast copies, under bf16 too).
             src = self.buffer_owner[flat]
             self.fetched[flat] = dist.broadcast(flat.data, src=src, async_op=True)
 
@@ -447,8 +405,7 @@ class ParamFetcher:
                 flat.untyped_storage().resize_(0)  # shapes kept; the bytes go back to the allocator
 
     def _before(self, i, order):
-        """Before module i's forward (or backward): its tensors here, the next module's on the
-        way."""
+        """Before module i's forward (or backward): its tensors here, the next one's on the way."""
         self._fetch(i)
         if self.prefetch and i != order[-1]:
             self._fetch(order[order.index(i) + 1])  # the next module's broadcasts overlap this one
@@ -461,57 +418,50 @@ class ParamFetcher:
     def _after_forward(self, i, inputs, out):
         if out.requires_grad and i in self.backward_order:  # training: this module has a backward
             # Backward's fetch and free, by autograd hooks on this forward's graph: fetch before
-            # the module's first backward op runs (a pre-hook on its output's node), free once the
-            # gradient of its input is whole (every op that reads a weight has then run: it passes
-            # a gradient to the input). With --activation_checkpointing full, a block's backward
-            # first runs its forward again, on the tensors this fetch brings. The input is the
-            # previous module's output: tensor hooks run before node pre-hooks, so this module is
-            # freed before that one is fetched. (Module-level full backward hooks would wrap every
-            # input and output in one more autograd Function: more host time a step.)
+            # the module's first backward op (a pre-hook on its output's node); free once its
+            # input's gradient is whole, as every op that reads a weight has then run. Tensor hooks
+            # run before node pre-hooks, so this module is freed before the previous one is
+            # fetched. --activation_checkpointing full: the recompute runs on this fetch.
+            # (Module-level full backward hooks would wrap every input and output in one more
+            # autograd Function: more host time a step.)
             out.grad_fn.register_prehook(lambda grads: self._before(i, self.backward_order))
             inputs[0].register_hook(lambda grad: self._free(i))
         # The head's backward comes right after the loss: keep its buffer (the tied wte) until then.
-        head = i == len(self.units) - 1
-        if head and out.requires_grad:
+        if i == len(self.units) - 1 and out.requires_grad:
             return
         self._free(i, self.keep[i])
 
 
 class ZeRO3(ZeRO2):
     """Stage 3: ZeRO2 with the parameters sharded too. The GPT is built on meta and each rank
-    materialises only the tensors it keeps; ParamFetcher broadcasts the others from their owners
+    materialises only the tensors it owns; ParamFetcher broadcasts the others from their owners
     around each module, so nothing is broadcast after the step."""
 
     def __init__(self, config, args, device, state=None):
         super().__init__(config, args, device, state)
-        self.fetcher = ParamFetcher(self.model, self.owner, self.rank, self.masters,
-                                    args.prefetch, args.max_reuse_distance)
+        self.fetcher = ParamFetcher(self.model, self.owner, self.rank, self.masters, args.prefetch)
 
     def build_model(self, config, owner, state):
-        """The GPT on meta, with storage only for what this rank keeps (materialize_owned_)."""
+        """The GPT on meta, with storage only for what this rank owns (materialize_owned_)."""
         model = GPT(config, device="meta")  # shapes only
-        values = {}  # the kept tensors' values
+        values = {}  # the owned tensors' values
         for name, p in model.named_parameters():
-            if owner[name] not in (None, self.rank):
+            if owner[name] != self.rank:
                 continue
-            if state is not None:  # a full checkpoint (any script, any world size): what is kept
+            if state is not None:  # a full checkpoint (any script, any world size): what is owned
                 values[name] = state[name]
             else:
                 values[name] = init_tensor(name, p.shape, config, self.args.seed)
-        if self.args.dtype == "bfloat16":  # computes with bf16 parameters, updates fp32 masters
-            dtype = torch.bfloat16
-        else:
-            dtype = torch.float32
+        # bf16: computes with bf16 parameters, updates fp32 masters
+        dtype = torch.bfloat16 if self.args.dtype == "bfloat16" else torch.float32
         masters = materialize_owned_(model, owner, self.rank, values, self.device, dtype)
         return model, masters
 
     def configure_optimizer(self, args, state=None):
-        # Plain AdamW on the kept tensors: ParamFetcher broadcasts them when they are next used.
+        # Plain AdamW on the owned tensors: ParamFetcher broadcasts them when they are next used.
         betas = (args.beta1, args.beta2)
         optimizer = configure_optimizer(self.kept, args.weight_decay, args.learning_rate, betas)
-        if state:  # a checkpoint's AdamW state by name: each rank loads what it keeps
-            for name, p in self.kept:
-                set_adamw_state(optimizer, p, state[name], partial(self.local, p))
+        self.load_adamw_state(optimizer, state)
         return optimizer
 
     def forward_backward(self, x, y, sync):
@@ -531,49 +481,27 @@ class TorchZeRO3(peers.torch_zero3.TorchZeRO3, ZeRO3):
 
 STAGES = {"custom": {1: ZeRO1, 2: ZeRO2, 3: ZeRO3},
           "pytorch": {1: TorchZeRO1, 3: TorchZeRO3}}  # --stage 2: no peer
+TUNING_KNOBS = ("persistence_threshold", "reduce_bucket_mb", "max_reuse_distance")
 
 
 def add_zero3_flags(group):
     group.add_argument("--stage", type=int, choices=[1, 2, 3], default=3,
                        help="ZeRO stage: shard the AdamW state (1), and the gradients (2), "
                             "and the parameters (3)")
-    group.add_argument("--persistence_threshold", type=int, default=0,
-                       help="tensors with fewer elements stay replicated on every rank "
-                            "(0: partition all)")
     add_bool(group, "--prefetch", True,
              "broadcast the next module's tensors while the current one computes")
-    group.add_argument("--max_reuse_distance", type=int, default=10**9,  # DeepSpeed's default
-                       help="keep a fetched tensor used again within this many fetched elements "
-                            "(0: always free)")
-    # Default: stage 1's bucket (DDP's 25 MiB): stage 2 holds at most one DDP bucket of gradients
-    # in flight beyond its own, and its reduces overlap backward as long as DDP's all-reduces do.
-    group.add_argument("--reduce_bucket_mb", type=float, default=ZeRO1.bucket_cap_mb,
-                       help="stages 2, 3: the most gradient bytes in flight to their owners; "
-                            "more waits for the oldest reduce (DeepSpeed's reduce_bucket_size)")
+    for flag in TUNING_KNOBS:
+        group.add_argument(f"--{flag}", nargs="?", const=True, help="moved: zero3_tuning_train.py")
 
 
 def check_zero3_args(args, world_size):
     """Bad input ends every rank with one line, before anything is built. Returns the DP size."""
-    for flag in ("persistence_threshold", "max_reuse_distance", "reduce_bucket_mb"):
-        if getattr(args, flag) < 0:
-            die(f"--{flag}: must be >= 0, got {getattr(args, flag)}")
-    if args.stage == 2 and args.implementation == "pytorch":  # see the README's design notes
-        die("--stage: 2 has no PyTorch peer (torch's nearest, FSDP2 with "
-            "reshard_after_forward=False, also shards the parameters between steps: "
-            "fsdp_train.py --implementation pytorch --reshard_after_forward false)")
-    stage_3_only = dict(prefetch=True, max_reuse_distance=10**9)  # stages 1, 2 fetch nothing
-    for flag, default in stage_3_only.items():
-        if args.stage < 3 and getattr(args, flag) != default:
-            die(f"--{flag}: {str(getattr(args, flag)).lower()} applies to --stage 3 only")
-    window = ZeRO1.bucket_cap_mb  # --reduce_bucket_mb's default
-    if args.stage == 1 and args.reduce_bucket_mb != window:  # stage 1 all-reduces DDP's buckets
-        die(f"--reduce_bucket_mb: {args.reduce_bucket_mb:g} applies to --stage 2 and 3 only")
-    custom_only = dict(prefetch=True, persistence_threshold=0, max_reuse_distance=10**9,
-                       reduce_bucket_mb=window)
-    for flag, default in custom_only.items():  # FSDP2 shards every tensor, prefetches, frees
-        if args.implementation == "pytorch" and getattr(args, flag) != default:
-            die(f"--{flag}: {str(getattr(args, flag)).lower()} is only supported by "
-                "--implementation custom")
+    for flag in TUNING_KNOBS:
+        if getattr(args, flag) is not None:
+            die(f"--{flag}: DeepSpeed's tuning knobs are in zero3_tuning_train.py")
+    if args.stage < 3 and not args.prefetch:  # stages 1, 2 fetch nothing
+        die("--prefetch: false applies to --stage 3 only")
+    peers.torch_zero3.check_args(args, dict(prefetch=True))
     check_batch_split(args, world_size)
     return world_size
 
@@ -666,13 +594,12 @@ def gather_full_state(model, optimizer, owner, masters):
     one tensor at a time: each owner sends rank 0 its fp32 master, exp_avg and exp_avg_sq (4 x numel
     bytes each) and step (4 bytes); rank 0 receives each into a buffer on its device and copies it
     to the CPU before the next, so no device holds more than one tensor beyond its training state.
-    `owner`: {parameter: rank, None if persistent}; `masters`: {parameter: the tensor AdamW
-    updates here}."""
+    `owner`: {parameter: rank}; `masters`: {parameter: the tensor AdamW updates here}."""
     rank = dist.get_rank()
     params = {}
     optim = {}
     for name, p in model.named_parameters():
-        src = 0 if owner[p] is None else owner[p]  # a persistent tensor: rank 0's copy
+        src = owner[p]
         if rank not in (0, src):
             continue
         full = {}
@@ -697,24 +624,16 @@ def gather_full_state(model, optimizer, owner, masters):
     return {k: params[v] for k, v in by_key.items()}, optim
 
 
-def print_partition(owner, load, persistent_bytes, theirs=None):
-    """Rank 0's banner: the tensors and bytes each rank owns; `theirs`: ZeroRedundancyOptimizer's
-    (tensors, elements) per rank, side by side."""
+def print_partition(owner, load):
+    """Rank 0's banner: the tensors and bytes each rank owns."""
     owners = list(owner.values())
-    header = f"partition: {owners.count(None)} persistent tensors of {persistent_bytes:,} bytes " \
-             "on every rank; owned:"
-    if theirs:
-        header += "  (ours | ZeroRedundancyOptimizer's)"
-    print(header)
+    print("partition: whole tensors, each owned by one rank:")
     for r, n in enumerate(load):
-        line = f"  rank {r}: {owners.count(r):3d} tensors, {n * 4:>12,} bytes " \
-               f"({n / max(1, sum(load)):.1%})"
-        if theirs:
-            line += f" | {theirs[r][0]:3d} tensors, {theirs[r][1] * 4:>12,} bytes"
-        print(line)
+        print(f"  rank {r}: {owners.count(r):3d} tensors, {n * 4:>12,} bytes "
+              f"({n / max(1, sum(load)):.1%})")
     if 0 in [owners.count(r) for r in range(len(load))]:
-        print(f"warning: some of the {len(load)} ranks own no tensor (fewer partitioned tensors "
-              "than ranks, or one tensor dominates); they only receive broadcasts", flush=True)
+        print(f"warning: some of the {len(load)} ranks own no tensor (fewer tensors than ranks, "
+              "or one tensor dominates); they only receive broadcasts", flush=True)
 
 
 # ---- stage 1's gradient sync: ddp_train.py's buckets, the same text (read the lesson there) --

@@ -118,8 +118,8 @@ COMPARE = [
     (("pp-zb1p-m8@balanced", "custom"), ("pp-1f1b-m8@balanced", "custom")),
     (("pp-zbv-m8", "custom"), ("pp-1f1b-m8", "custom")),
     (("pp-zbv-m8@balanced", "custom"), ("pp-1f1b-m8@balanced", "custom")),
-    # TP's collectives in pieces under the matmuls, without and with SP
-    (("tp-overlap", "custom"), ("tp", "custom")),
+    # TP's collectives in pieces under the matmuls (tp_overlap_train.py), without and with SP
+    (("tp_overlap", "custom"), ("tp", "custom")),
     (("tp-sp-overlap", "custom"), ("tp-sp", "custom")),
     # hybrid_train.py's grids of 4 ranks against the single-strategy script on the same grid, or DDP
     (("hybrid@dp4", "custom"), ("ddp@dp4", "custom")),

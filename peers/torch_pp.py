@@ -1,17 +1,47 @@
-"""PyTorch's own pipeline, for pp_train.py --implementation pytorch.
+"""PyTorch's own pipeline, for pp_train.py (and its copies pp_zb_train.py, pp_vocab_train.py)
+--implementation pytorch.
 
-torch.distributed.pipelining: a PipelineStage around each of this rank's chunks (pp_train.py's
+torch.distributed.pipelining: a PipelineStage around each of this rank's chunks (the script's
 Stage modules) does the send/recv, and ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B /
 ScheduleInterleavedZeroBubble (zb1p) / ScheduleZBVZeroBubble (zbv) order the forwards and backwards
-(the zero-bubble ones split by torch's own stage_backward_input/_weight), in place of pp_train.py's schedule_actions, timetable and
-executor (Pipeline.run). These are the methods that differ; pp_train.py's TorchPipeline takes the
-rest (building the chunks, evaluation, the tied gradient, clipping, checkpoint state) from its
-Pipeline class."""
+(the zero-bubble ones, pp_zb_train.py's, split by torch's own stage_backward_input/_weight), in
+place of the script's schedule_actions, timetable and executor (Pipeline.run). These are the
+methods that differ; the script's TorchPipeline takes the rest (building the chunks, evaluation,
+the tied gradient, clipping, checkpoint state) from its Pipeline class."""
 import torch
 
+from common.config import check_torch, die
 from common.distributed import autocast
 from common.recompute import torch_checkpoint_blocks
 from common.model import cross_entropy
+
+
+def check_args(args):
+    """What torch's pipelining needs, on gloo, beyond the floor and the script's own checks: called
+    by the scripts' check_pp_args, so bad input ends every rank before anything is built."""
+    if args.implementation != "pytorch":
+        return
+    zero_bubble = args.schedule in ("zb1p", "zbv")  # pp_zb_train.py's
+    if zero_bubble and args.compile:  # torch 2.13
+        die("--compile: torch's zero-bubble schedules split a block's backward into two "
+            "autograd calls (B keeps the graph for W: retain_graph), which a compiled "
+            "backward refuses (donated buffers); use --compile false, --implementation "
+            "custom, or another --schedule")
+    if zero_bubble:
+        args.compile = False  # the default: off here
+    if zero_bubble and args.activation_checkpointing != "none":  # torch 2.13, README's notes
+        die("--activation_checkpointing: torch's zero-bubble schedule cannot split the backward "
+            "of a checkpointed block into B and W (its stage_backward_weight fails); use "
+            "--activation_checkpointing none, --implementation custom, or another --schedule")
+    check_torch("2.10", "--implementation: pytorch (torch.distributed.pipelining)",
+                "on 2.9 its first step's shape inference fails: received data size doesn't match")
+    if args.dtype == "bfloat16":
+        check_torch("2.11", "--dtype: bfloat16 with --implementation pytorch",
+                    "on 2.10 no gradient reaches the last stage's lm_head under autocast")
+    if args.schedule == "zbv":
+        check_torch("2.12", "--schedule: zbv with --implementation pytorch",
+                    "on 2.10 and 2.11 its ScheduleZBVZeroBubble fails on gloo: "
+                    "Pair is not connected")
 
 
 class TorchPipeline:

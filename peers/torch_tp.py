@@ -6,8 +6,10 @@ c_fc (CopyToTP's f), RowwiseParallel for the c_projs and the vocabulary-split wt
 g), SequenceParallel LayerNorms with --sequence_parallel; torch's loss_parallel() computes the
 vocab-parallel cross-entropy (VocabParallelCrossEntropy) and DTensor.full_tensor() gathers the
 checkpoint (full_tensor). These are the methods that differ; tp_train.py's TorchTP takes the rest
-(the grid's dropout streams, the attention on the local heads, the DP mean, optimizer, checkpoint
-format, describe) from its TensorParallel class."""
+(the grid's dropout streams, the DP mean, optimizer, checkpoint format, describe) from its
+TensorParallel class, and gives this class the script's head split (shard, unshard), attention
+(TPAttention) and dropout fork (fork_dropouts)."""
+import types
 from contextlib import nullcontext
 
 import torch
@@ -26,7 +28,7 @@ from common.recompute import torch_checkpoint_blocks
 
 def parallelize_torch(model, tp_mesh, sequence_parallel, loss_parallel):
     """The GPT made tensor-parallel in place: every linear and embedding placed by a DTensor plan
-    (c_attn's rows already rank-ordered: TensorParallel.rank_ordered)."""
+    (c_attn's rows already rank-ordered: TorchTP.rank_ordered)."""
     seq = Shard(1) if sequence_parallel else Replicate()  # the activations between the linears
     col = ColwiseParallel(input_layouts=seq)
     row = RowwiseParallel(output_layouts=seq)
@@ -99,6 +101,29 @@ class TorchTP:
         # SDPA runs eagerly, as in TensorParallel (its dropout's tp_rank_rng)
         compile_forward(self.model.transformer.h, args.compile, eager=["attn.attend"])
         torch_checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
+
+    def rank_ordered(self, name, full):
+        """c_attn's [q; k; v] rows in rank order [q_0; k_0; v_0; q_1; ...] (every rank's shard(),
+        stacked), so that DTensor's contiguous chunks hold whole heads."""
+        if "c_attn" not in name:
+            return full
+        return torch.cat([self.shard(name, full, r, self.tp_size) for r in range(self.tp_size)])
+
+    def head_ordered(self, name, full):
+        """The inverse of rank_ordered(): unshard() of the stacked shards."""
+        return self.unshard(name, full.chunk(self.tp_size))
+
+    def use_local_heads(self, model, tp_rank):
+        """The plain GPT's attentions run the script's TPAttention.forward on this rank's
+        n_head/tp_size heads, and with SP its dropouts draw from the rank's own stream, as in
+        TPGPT."""
+        for block in model.transformer.h:
+            block.attn.n_head = block.attn.n_head // self.tp_size
+            block.attn.tp_rank = tp_rank
+            block.attn.forward = types.MethodType(self.attention.forward, block.attn)
+            block.attn.attend = types.MethodType(self.attention.attend, block.attn)
+        if self.args.sequence_parallel:
+            self.fork_dropouts(model, tp_rank)
 
     def local_piece(self, name, p, full):
         """DTensor: each rank cuts its piece from its own full copy (src_data_rank=None: no

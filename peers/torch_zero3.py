@@ -22,6 +22,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.checkpoint import model_state_on_cpu, set_adamw_state
+from common.config import die
 from common.distributed import autocast, clip_grad_norm_
 from common.model import (FUSED_ADAMW, GPT, compile_forward, configure_optimizer, init_tensor,
                           num_params)
@@ -77,7 +78,8 @@ class TorchZeRO3:
         optimizer_state = {}
         for name, p in self.model.named_parameters():
             state = optimizer.state[p]
-            optimizer_state[name] = {k: on_rank0_cpu(full_tensor(v), rank0) for k, v in state.items()}
+            optimizer_state[name] = {k: on_rank0_cpu(full_tensor(v), rank0)
+                                     for k, v in state.items()}
         if not rank0:
             return None, None
         return model_state, optimizer_state
@@ -130,11 +132,12 @@ class TorchZeRO1:
             for p in self.owned:
                 set_adamw_state(optimizer, p, state[names[p]], partial(self.local, p))
         # Rank 0 prints both partitions: ours (one greedy pass) and ZeRO's (one per param group).
-        theirs = []  # per rank: (tensors, elements) it owns
-        for groups in optimizer._partition_parameters():
+        self.assign_owners([(n, p.shape) for n, p in named])
+        for r, groups in enumerate(optimizer._partition_parameters()):
             params = [p for group in groups for p in group["params"]]
-            theirs.append((len(params), sum(p.numel() for p in params)))
-        self.assign_owners([(n, p.shape) for n, p in named], 0, theirs)
+            if dist.get_rank() == 0:
+                print(f"  ZeroRedundancyOptimizer's rank {r}: {len(params):3d} tensors, "
+                      f"{4 * sum(p.numel() for p in params):>12,} bytes")
         return optimizer
 
     def forward_backward(self, x, y, sync):
@@ -160,3 +163,19 @@ class TorchZeRO1:
     def describe(self):
         n = num_params(self.model) / 1e6
         return f"{n:.2f}M params, torch DDP + ZeroRedundancyOptimizer(AdamW)"
+
+
+def check_args(args, custom_only):
+    """zero3_train.py's flags that --implementation pytorch cannot honour: one line from rank 0
+    (die), before anything is built. `custom_only`: {flag: the only value FSDP2 and
+    ZeroRedundancyOptimizer give}."""
+    if args.implementation != "pytorch":
+        return
+    if args.stage == 2:  # see the README's design notes
+        die("--stage: 2 has no PyTorch peer (torch's nearest, FSDP2 with "
+            "reshard_after_forward=False, also shards the parameters between steps: "
+            "fsdp_train.py --implementation pytorch --reshard_after_forward false)")
+    for flag, default in custom_only.items():  # FSDP2 shards every tensor, prefetches, frees
+        if getattr(args, flag) != default:
+            die(f"--{flag}: {str(getattr(args, flag)).lower()} is only supported by "
+                "--implementation custom")

@@ -26,6 +26,8 @@ from torch.utils._pytree import tree_flatten
 # it: (script, implementation, dtype) -> torch version. Tests of those runs are skipped on an older torch.
 PEER_NEEDS = {("pp_train.py", "pytorch", "float32"): "2.10", ("pp_train.py", "pytorch", "bfloat16"): "2.11",
               ("hybrid_train.py", "pytorch", "float32"): "2.10"}
+for _copy in ("pp_zb_train.py", "pp_vocab_train.py"):  # pp_train.py's tier-2 copies: the same peer
+    PEER_NEEDS.update({(_copy, "pytorch", "float32"): "2.10", (_copy, "pytorch", "bfloat16"): "2.11"})
 
 
 def peer_needs(script, implementation, dtype="float32"):

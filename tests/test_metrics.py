@@ -13,7 +13,7 @@ import torch
 import common.metrics
 import cp_train
 import fsdp_train
-import tp_train
+import tp_overlap_train
 import zero3_train
 from common.metrics import DeviceClock, HostClock, Timers, timers
 
@@ -153,7 +153,7 @@ def zero_reduce_wait(work):
     grad = torch.zeros(2)
     reduces.reduces = collections.deque([(grad, work)])  # the window's queue, oldest first
     reduces.in_flight = grad.numel() * grad.element_size()
-    reduces.sync_persistent = True  # the step's last micro-step
+    reduces.sync = True  # the step's last micro-step
     reduces.finish_backward()
     assert reduces.in_flight == 0
 
@@ -162,7 +162,7 @@ WAITS = {  # each script's wait on its in-flight collectives, and the timer it i
     "fsdp reduce-scatter": (fsdp_wait, "exposed_comm"),
     "zero2/3 reduce": (zero_reduce_wait, "reduce_wait"),
     "cp ring": (lambda work: cp_train.wait([work]), "exposed_comm"),
-    "tp overlap": (lambda work: tp_train.wait([work]), "exposed_comm"),
+    "tp overlap": (lambda work: tp_overlap_train.wait([work]), "exposed_comm"),
 }
 
 

@@ -223,7 +223,7 @@ def _vocab_parallel_losses(rank, world_size):
     either sign and zero (a weighted sum of the losses)."""
     import torch.distributed as dist
     import hybrid_train
-    import pp_train
+    import pp_vocab_train
     import tp_train
     torch.manual_seed(0)
     logits = 3 * torch.randn(50, 64)
@@ -235,7 +235,7 @@ def _vocab_parallel_losses(rank, world_size):
     (plain * weights).sum().backward()
     cols = slice(rank * 32, (rank + 1) * 32)
     out = []
-    for module in (tp_train, pp_train, hybrid_train):
+    for module in (tp_train, pp_vocab_train, hybrid_train):
         module.LOSS_CHUNK_ROWS = 7
         mine = logits[:, cols].clone().requires_grad_()
         losses = module.VocabParallelCrossEntropy.apply(mine, targets, rank * 32, dist.group.WORLD)
@@ -249,7 +249,7 @@ def _vocab_parallel_losses(rank, world_size):
 def test_vocab_parallel_cross_entropy_in_chunks_equals_the_plain_form():
     from conftest import spawn
     for rank in spawn(_vocab_parallel_losses, 2):
-        for dloss, dgrad in rank:  # tp, pp, hybrid
+        for dloss, dgrad in rank:  # tp, pp_vocab, hybrid
             assert dloss <= 1e-6 and dgrad <= 1e-6, rank
 
 

@@ -33,7 +33,7 @@ TOL = 1e-5  # fp32 on CPU, on every loss and evaluation; the largest |dloss| mea
 # loop), so a margin of about 5, as TOL's over the largest |dloss| measured, 1.9e-6 (pp interleaved). A gradient
 # off by a factor (a sum where a mean belongs: 2x at 2 ranks) is off by that factor in its norm.
 NORM_TOL = 1e-6
-# tp --tp_overlap against plain tp, relative to the loss: the same sums in another order, so the last bits
+# tp_overlap_train.py against tp_train.py, relative to the loss: the same sums in another order, so the last bits
 # differ (a loss near 10 has a float32 spacing of 9.5e-7; the most measured at 4 ranks is 2 of them)
 OVERLAP_TOL = 1e-6
 # --compile: inductor's fused kernels may sum in another order than eager's (ddp and fsdp: the blocks and the
@@ -55,26 +55,27 @@ STRATEGIES = [
     ("cp_train.py", "custom", 2, ["--cp_mode", "ulysses"]),
     ("cp_train.py", "custom", 4, ["--context_parallel_size", "2", "--grad_accum_steps", "2", "--load_balance", "false"]),
     # pp: every schedule custom + pytorch at 2 stages (interleaved: 2 x 2 chunks of 1 layer), each custom one also
-    # with the head split over the ranks (--vocab_parallel), 1F1B at 4 stages with it; uneven stages 2,1 in GPipe
-    # (custom, pytorch) and 1F1B with accumulation
+    # with the head split over the ranks (pp_vocab_train.py --vocab_parallel), 1F1B at 4 stages with it; uneven
+    # stages 2,1 in GPipe (custom, pytorch) and 1F1B with accumulation
     ("pp_train.py", "custom", 2, ["--schedule", "gpipe", "--n_layer", "3", "--stage_layers", "2,1"]),
-    ("pp_train.py", "custom", 2, ["--schedule", "gpipe", "--vocab_parallel"]),
+    ("pp_vocab_train.py", "custom", 2, ["--schedule", "gpipe", "--vocab_parallel"]),
     ("pp_train.py", "pytorch", 2, ["--schedule", "gpipe", "--n_layer", "3", "--stage_layers", "2,1"]),
     ("pp_train.py", "custom", 2, ["--schedule", "1f1b", "--grad_accum_steps", "2", "--n_layer", "3",
                                   "--stage_layers", "2,1"]),
-    ("pp_train.py", "custom", 2, ["--schedule", "1f1b", "--vocab_parallel", "--grad_accum_steps", "2"]),
+    ("pp_vocab_train.py", "custom", 2, ["--schedule", "1f1b", "--vocab_parallel", "--grad_accum_steps", "2"]),
     ("pp_train.py", "pytorch", 2, ["--schedule", "1f1b", "--grad_accum_steps", "2"]),
     ("pp_train.py", "custom", 2, ["--schedule", "interleaved", "--n_layer", "4"]),
-    ("pp_train.py", "custom", 2, ["--schedule", "interleaved", "--n_layer", "4", "--vocab_parallel"]),
+    ("pp_vocab_train.py", "custom", 2, ["--schedule", "interleaved", "--n_layer", "4", "--vocab_parallel"]),
     ("pp_train.py", "pytorch", 2, ["--schedule", "interleaved", "--n_layer", "4"]),
-    ("pp_train.py", "custom", 4, ["--schedule", "1f1b", "--n_layer", "4", "--vocab_parallel"]),
-    # (the zero-bubble schedules: test_zero_bubble_parity below, several runs a launch)
-    # zero3: default (all partitioned); 4 ranks with biases/LayerNorms persistent, accumulation, no prefetch.
+    ("pp_vocab_train.py", "custom", 4, ["--schedule", "1f1b", "--n_layer", "4", "--vocab_parallel"]),
+    # (the zero-bubble schedules, pp_zb_train.py: test_zero_bubble_parity below, several runs a launch)
+    # zero3: default (all partitioned); 4 ranks with biases/LayerNorms persistent (zero3_tuning_train.py's knob),
+    # accumulation, no prefetch.
     # (PyTorch's FSDP2, the peer of both fsdp and zero3, runs at 2 ranks in three rows: with accumulation in fsdp's.)
     ("zero3_train.py", "custom", 2, []),
     ("zero3_train.py", "pytorch", 2, []),
-    ("zero3_train.py", "custom", 4, ["--persistence_threshold", "1024", "--grad_accum_steps", "2",
-                                     "--prefetch", "false"]),
+    ("zero3_tuning_train.py", "custom", 4, ["--persistence_threshold", "1024", "--grad_accum_steps", "2",
+                                            "--prefetch", "false"]),
     # zero3 --stage 1/2: ZeRO-1 custom and DDP + ZeroRedundancyOptimizer (with accumulation), ZeRO-2 at 2 and 4 ranks
     ("zero3_train.py", "custom", 2, ["--stage", "1"]),
     ("zero3_train.py", "pytorch", 2, ["--stage", "1", "--grad_accum_steps", "2"]),
@@ -89,11 +90,11 @@ STRATEGIES = [
     ("tp_train.py", "pytorch", 4, ["--tensor_parallel_size", "2", "--sequence_parallel", "--grad_accum_steps", "2"]),
     # compiled between f and g, the attention core recomputed (as fsdp's compiled row: with checkpointing)
     ("tp_train.py", "custom", 2, ["--sequence_parallel", "--compile", "--activation_checkpointing", "selective"]),
-    # tp at 4 (the ring of 4), and --tp_overlap at 2 and 4 ranks, SP off and on: each overlap row also equals
-    # its row without --tp_overlap within OVERLAP_TOL (test_tp_overlap_equals_plain_tp)
+    # tp at 4 (the ring of 4), and tp_overlap_train.py (--tp_overlap on) at 2 and 4 ranks, SP off and on: each
+    # overlap row also equals tp_train.py's row with the same flags within OVERLAP_TOL (test_tp_overlap_equals_plain_tp)
     ("tp_train.py", "custom", 4, ["--tensor_parallel_size", "4"]),
     ("tp_train.py", "custom", 4, ["--tensor_parallel_size", "4", "--sequence_parallel"]),
-    *[("tp_train.py", "custom", nproc, extra + ["--tp_overlap"]) for nproc, extra in (
+    *[("tp_overlap_train.py", "custom", nproc, extra) for nproc, extra in (
         (2, []), (2, ["--sequence_parallel", "--loss_parallel", "false"]),
         (4, ["--tensor_parallel_size", "4"]), (4, ["--tensor_parallel_size", "4", "--sequence_parallel"]))],
     # fsdp: 4 ranks with n_embd 25 pad every unit (blocks 7825 values: 3 pad, root 1258450: 2 pad), with
@@ -116,14 +117,16 @@ STRATEGIES = [
 # (script, implementation, ranks, extra flags) of the rows run under tests/user_torch.py.
 AS_USERS_TORCH = {
     ("cp_train.py", "custom", 2, ()), ("cp_train.py", "custom", 2, ("--cp_mode", "allgather", "--block_size", "24")),
-    ("pp_train.py", "custom", 2, ("--schedule", "1f1b", "--vocab_parallel", "--grad_accum_steps", "2")),
+    ("pp_train.py", "custom", 2, ("--schedule", "1f1b", "--grad_accum_steps", "2", "--n_layer", "3", "--stage_layers",
+                                  "2,1")),
+    ("pp_vocab_train.py", "custom", 2, ("--schedule", "1f1b", "--vocab_parallel", "--grad_accum_steps", "2")),
     ("pp_train.py", "pytorch", 2, ("--schedule", "1f1b", "--grad_accum_steps", "2")),
     ("zero3_train.py", "custom", 2, ()), ("zero3_train.py", "pytorch", 2, ()),
     ("zero3_train.py", "custom", 2, ("--stage", "1")),  # OwnedAdamW
     ("zero3_train.py", "pytorch", 2, ("--stage", "1", "--grad_accum_steps", "2")),  # inside ZeroRedundancyOptimizer
     ("zero3_train.py", "custom", 2, ("--stage", "2")),
     ("tp_train.py", "custom", 2, ()),
-    ("tp_train.py", "custom", 2, ("--tp_overlap",)),  # as its plain row, which it is compared with
+    ("tp_overlap_train.py", "custom", 2, ()),  # as tp_train.py's row, which it is compared with
     ("tp_train.py", "pytorch", 2, ()),  # without SP its LayerNorms and wpe were plain tensors: foreach refused them
     ("tp_train.py", "pytorch", 2, ("--sequence_parallel", "--loss_parallel", "false")),
     ("tp_train.py", "pytorch", 4, ("--tensor_parallel_size", "2", "--sequence_parallel", "--grad_accum_steps", "2")),
@@ -316,18 +319,19 @@ def test_parity(script, implementation, nproc, extra, references, shared_run):
 
 
 @pytest.mark.parametrize("nproc,extra", [(nproc, extra) for script, _, nproc, extra in STRATEGIES
-                                         if script == "tp_train.py" and "--tp_overlap" in extra])
+                                         if script == "tp_overlap_train.py"])
 def test_tp_overlap_equals_plain_tp(nproc, extra, shared_run):
-    """--tp_overlap sends the same numbers in pieces and adds the pieces in another order: its losses and grad
-    norms equal tp_train.py's without it (both runs are parity rows above, shared)."""
+    """tp_overlap_train.py sends the same numbers in pieces and adds the pieces in another order: its losses and
+    grad norms equal tp_train.py's with the same flags (both runs are parity rows above, shared)."""
     flags = FLAGS + ["--implementation", "custom"]
-    plain = [flag for flag in extra if flag != "--tp_overlap"]
-    as_user = [("tp_train.py", "custom", nproc, tuple(x)) in AS_USERS_TORCH for x in (extra, plain)]
-    overlapped = run_record(shared_run("tp_train.py", nproc, flags + extra, as_user[0])[0])
-    reference = run_record(shared_run("tp_train.py", nproc, flags + plain, as_user[1])[0])
+    runs = {}
+    for script in ("tp_overlap_train.py", "tp_train.py"):
+        as_user = (script, "custom", nproc, tuple(extra)) in AS_USERS_TORCH
+        runs[script] = run_record(shared_run(script, nproc, flags + extra, as_user)[0])
+    overlapped, reference = runs["tp_overlap_train.py"], runs["tp_train.py"]
     delta = max(abs(a - b) / abs(b) for a, b in zip(overlapped["loss"], reference["loss"]))
     _, dnorm = differences(overlapped, reference)
-    record(f"tp-overlap-{nproc}r{''.join(plain)} vs plain", {"max_rel_dloss": delta, "max_rel_dnorm": dnorm})
+    record(f"tp-overlap-{nproc}r{''.join(extra)} vs plain", {"max_rel_dloss": delta, "max_rel_dnorm": dnorm})
     assert len(overlapped["loss"]) == len(reference["loss"]) == STEPS
     assert delta <= OVERLAP_TOL and dnorm <= NORM_TOL, (overlapped, reference)
 
@@ -351,8 +355,8 @@ AC_ROWS = [
     ("tp_train.py", 2, [(impl, d, []) for impl in BOTH for d in (0.0, 0.1)]
      + [("custom", 0.1, ["--sequence_parallel"]),  # and compiled (below): every dropout on the rank's own stream
         ("custom", 0.1, ["--sequence_parallel", "--compile", "true"])]),
-    ("pp_train.py", 2, [(impl, d, ["--schedule", "1f1b"]) for impl in BOTH for d in (0.0, 0.1)]
-     + [("custom", 0.1, ["--schedule", "zbv", "--n_layer", "4"])]),  # recomputed inside B, weight grads at W
+    ("pp_train.py", 2, [(impl, d, ["--schedule", "1f1b"]) for impl in BOTH for d in (0.0, 0.1)]),
+    ("pp_zb_train.py", 2, [("custom", 0.1, ["--schedule", "zbv", "--n_layer", "4"])]),  # recomputed inside B, W later
     ("cp_train.py", 2, [("custom", 0.0, []), ("custom", 0.0, ["--cp_mode", "ulysses"]),
                         ("custom", 0.1, ["--cp_mode", "ulysses"])]),
     ("tp_train.py", 4, [(impl, 0.1, ["--tensor_parallel_size", "2", "--sequence_parallel"]) for impl in BOTH]),
@@ -415,9 +419,9 @@ def test_activation_checkpointing_is_bit_identical(script, nproc, variants, refe
     record(f"activation-checkpointing-{script[:-9]}-{nproc}r", {"runs": len(runs), "bit_identical": True})
 
 
-# The zero-bubble schedules, ZB-H1 (zb1p) and ZB-V (zbv), custom and torch's (ScheduleInterleavedZeroBubble,
-# ScheduleZBVZeroBubble), at 2 and 4 ranks: every run of a rank count in one launch of tests/runs.py, each compared
-# with the single-process reference as a row above is.
+# pp_zb_train.py's zero-bubble schedules, ZB-H1 (zb1p) and ZB-V (zbv), custom and torch's
+# (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble), at 2 and 4 ranks: every run of a rank count in one launch of
+# tests/runs.py, each compared with the single-process reference as a row above is.
 ZERO_BUBBLE_ROWS = {
     2: [("custom", ["--schedule", "zb1p", "--grad_accum_steps", "2"]), ("pytorch", ["--schedule", "zb1p"]),
         ("custom", ["--schedule", "zbv", "--n_layer", "4", "--grad_accum_steps", "2"]),
@@ -431,14 +435,14 @@ ZERO_BUBBLE_ROWS = {
 def test_zero_bubble_parity(nproc, references, tmp_path):
     from conftest import launch
     rows = ZERO_BUBBLE_ROWS[nproc]
-    argv = ["pp_train.py"]
+    argv = ["pp_zb_train.py"]
     for k, (implementation, extra) in enumerate(rows):
         argv += FLAGS + ["--implementation", implementation] + extra + ["--out_dir", str(tmp_path / str(k)), "---"]
     result = launch("tests/runs.py", nproc, argv[:-1], torchrun=False)
     assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     for k, (implementation, extra) in enumerate(rows):
         reference, plain = references(extra)
-        check(row_id("pp_train.py", implementation, nproc, extra), run_record(tmp_path / str(k)), reference, plain)
+        check(row_id("pp_zb_train.py", implementation, nproc, extra), run_record(tmp_path / str(k)), reference, plain)
 
 
 # hybrid_train.py: every pair of axes at 4 ranks, and two grids of three at 8, each with gradient accumulation and

@@ -1,8 +1,9 @@
-"""pp_train.py: schedule orders, the timetable, deadlock freedom of the issued send/recv and the vocabulary passes'
-collectives under NCCL's rendezvous semantics, the live micro-batches of each schedule, gradients (incl. the tied
-weight) equal to the reference with even and uneven stages and with the head split by vocabulary, the collectives
-called and model state bytes held, live activations measured around the executor against the script's figure,
-timeline and bubble, stage plan, checkpoint, bad input."""
+"""pp_train.py and its tier-2 copies, pp_zb_train.py (zero bubble: zb1p, zbv) and pp_vocab_train.py (--vocab_parallel):
+schedule orders, the timetable, deadlock freedom of the issued send/recv and the vocabulary passes' collectives under
+NCCL's rendezvous semantics, the live micro-batches of each schedule, gradients (incl. the tied weight) equal to the
+reference with even and uneven stages and with the head split by vocabulary, the collectives called and model state
+bytes held, live activations measured around the executor against the script's figure, timeline and bubble, stage
+plan, checkpoint, bad input, and each copy's diff against pp_train.py bounded."""
 import contextlib
 import gc
 import hashlib
@@ -18,14 +19,24 @@ import pytest
 import torch
 
 import pp_train
+import pp_vocab_train
+import pp_zb_train
 from conftest import TINY, DeviceMemory, cpu_copies_only, launch, read_metrics, refusal, spawn, step_losses
 from common.config import parse_args
 from common.data import get_batch
 from common.model import GPT, GPTConfig
 from common.metrics import model_state_bytes
 from common.schedule_report import ScheduleReport, activation_bytes, peak_live
-from pp_train import (Pipeline, add_pp_flags, check_pp_args, messages, p2p_program, schedule_actions, timetable,
-                      vocab_pass)
+from pp_train import add_pp_flags, check_pp_args, messages, schedule_actions, timetable
+from pp_vocab_train import vocab_pass
+
+
+def script_for(schedule, vocab_parallel=False):
+    """The script that holds a schedule and head: pp_zb_train.py the zero-bubble schedules, pp_vocab_train.py the
+    head split by vocabulary, pp_train.py the rest."""
+    if vocab_parallel:
+        return pp_vocab_train
+    return pp_zb_train if schedule in ("zb1p", "zbv") else pp_train
 
 
 def F(i, c=0):
@@ -68,6 +79,7 @@ def test_gpipe_and_interleaved_orders():
 
 def test_vocab_parallel_1f1b_orders():
     # the last rank: F(k), L(k), B(k). Rank r = p-1-d warms up 2d forwards, then runs L(k), F(k+d), B(k-d) a cycle
+    schedule_actions = pp_vocab_train.schedule_actions
     assert schedule_actions("1f1b", 1, 2, 4, 1, True) == [F(0), L(0), B(0), F(1), L(1), B(1), F(2), L(2), B(2),
                                                           F(3), L(3), B(3)]
     assert schedule_actions("1f1b", 0, 2, 4, 1, True) == [F(0), L(0), F(1), L(1), F(2), B(0), L(2), F(3), B(1),
@@ -139,18 +151,22 @@ VOCAB_COLLECTIVES = ["broadcast", "all_reduce max", "all_reduce sum", "reduce"] 
 
 
 def script_programs(schedule, p, m, V=1, forwards_only=False, vocab_parallel=False):
-    """What pp_train.py issues: for each step of its timetable one batch_isend_irecv on its p2p group, waited; in a
-    vocabulary pass, its collectives on the vocab group, each waited (the next kernel waits for it on the stream)."""
-    every = [schedule_actions(schedule, r, p, m, V, vocab_parallel) for r in range(p)]
+    """What the script holding the schedule issues (script_for): for each step of its timetable one batch_isend_irecv
+    on its p2p group, waited; in a vocabulary pass, its collectives on the vocab group, each waited (the next kernel
+    waits for it on the stream)."""
+    script = script_for(schedule, vocab_parallel)
+    head = (True,) * vocab_parallel  # pp_vocab_train.py's schedule_actions takes vocab_parallel
+    every = [script.schedule_actions(schedule, r, p, m, V, *head) for r in range(p)]
     every = [[a for a in actions if a[0] not in ("B", "W") or not forwards_only] for actions in every]
-    v = schedule == "zbv"  # V-shaped: stage p-1 hands its output to stage p on its own rank
-    table = timetable(every, p * V, v)
-    programs = [p2p_program(table, r, p * V, v) for r in range(p)]
+    # V-shaped (pp_zb_train.py's zbv): stage p-1 hands its output to stage p on its own rank
+    v = (schedule == "zbv",) if script is pp_zb_train else ()
+    table = script.timetable(every, p * V, *v)
+    programs = [script.p2p_program(table, r, p * V, *v) for r in range(p)]
     for r, program in enumerate(programs):  # the program runs exactly the rank's actions, each after its input came
         assert [a for a, _ in program if a is not None] == every[r]
         received = set()
         for action, exchange in program:
-            need, send = messages(action, r, p, p * V, v) if action else (None, None)
+            need, send = script.messages(action, r, p, p * V, *v) if action else (None, None)
             assert need is None or need[1] in received, (action, "runs before its input arrived")
             local = send and send[0] == r  # kept on the rank, not sent
             assert [(peer, name) for peer, is_send, name in exchange if is_send] == ([send] if send and not local else [])
@@ -185,6 +201,7 @@ def W(i):
 def test_zero_bubble_h1_order_for_4_stages_and_8_microbatches():
     """Qi et al.'s ZB-H1 figure: rank r warms up with p-r forwards, holds its W's back by r micro-batches, and
     runs the held ones last."""
+    schedule_actions = pp_zb_train.schedule_actions
     assert schedule_actions("zb1p", 0, 4, 8) == [F(0), F(1), F(2), F(3)] + [
         a for k in range(8) for a in [B(k), W(k)] + [F(k + 4)] * (k + 4 < 8)]
     assert schedule_actions("zb1p", 3, 4, 8) == [F(0), B(0), F(1), B(1), F(2), B(2), F(3), B(3), W(0), F(4), B(4),
@@ -198,6 +215,7 @@ def test_zero_bubble_h1_is_deadlock_free_and_fills_the_cool_down(p):
     NCCL's semantics (training and evaluation); on the clock of equal F, B and W steps a step takes 3m + p - 1
     steps: (p-1)(T_F + T_B - T_W) of idle time a rank, where 1F1B's (its B as B+W, two steps) is 3m + 3(p-1);
     and at most p micro-batches wait for their W, 1F1B's first rank's peak."""
+    schedule_actions, timetable = pp_zb_train.schedule_actions, pp_zb_train.timetable
     for m in range(p, 4 * p + 1):
         lists = [schedule_actions("zb1p", r, p, m) for r in range(p)]
         for actions in lists:
@@ -215,6 +233,7 @@ def test_zero_bubble_v_is_deadlock_free_and_nearly_bubble_free(p):
     programs; on the clock of equal (chunk) F, B and W steps a step takes 6m plus at most p idle steps a rank (from
     m = 2p; at most 2(p-1) below): at most p/2 of a whole stage's T, against ZB-H1's p-1 and 1F1B's 3(p-1); and at
     most 2p chunk micro-batches await their W, 1F1B's p whole stages."""
+    schedule_actions, timetable = pp_zb_train.schedule_actions, pp_zb_train.timetable
     for m in range(p, 4 * p + 1):
         lists = [schedule_actions("zbv", r, p, m, 2) for r in range(p)]
         for actions in lists:
@@ -233,7 +252,10 @@ def test_schedules_are_deadlock_free_with_bounded_live_microbatches(p):
     for m in range(1, 9):
         interleaved = [("interleaved", V) for V in (2, 3, 4) if p > 1 and m % p == 0]  # as check_pp_args requires
         for (schedule, V), vp in itertools.product([("gpipe", 1), ("1f1b", 1)] + interleaved, {False, p > 1}):
-            lists = [schedule_actions(schedule, r, p, m, V, vp) for r in range(p)]
+            lists = [pp_vocab_train.schedule_actions(schedule, r, p, m, V, vp) for r in range(p)]
+            if not vp:  # the copies' plain schedules are pp_train.py's
+                for script in (pp_train, pp_zb_train):
+                    assert lists == [script.schedule_actions(schedule, r, p, m, V) for r in range(p)]
             for actions in lists:  # every (micro-batch, chunk) once forward, once backward, F before B
                 assert sorted(actions) == sorted([(op, i, c) for op in "FB" for i in range(m) for c in range(V)]
                                                  + [L(i) for i in range(m) if vp])
@@ -364,21 +386,22 @@ def counting(counts, names=("broadcast", "all_reduce", "reduce")):
 
 @contextmanager
 def metered_vocab_pass(meter):
-    """pp_train.vocab_pass with what it saves counted by `meter` instead of the hooks around it."""
-    real = pp_train.vocab_pass
+    """pp_vocab_train.vocab_pass with what it saves counted by `meter` instead of the hooks around it."""
+    real = pp_vocab_train.vocab_pass
 
     def metered(*args):
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             return real(*args)
-    pp_train.vocab_pass = metered
+    pp_vocab_train.vocab_pass = metered
     try:
         yield
     finally:
-        pp_train.vocab_pass = real
+        pp_vocab_train.vocab_pass = real
 
 
 def _pipeline_grads(rank, p, cases):
-    """For each (schedule, M, V, vocab_parallel, stage_layers): one batch through the pipeline on p ranks; returns
+    """For each (schedule, M, V, vocab_parallel, stage_layers): one batch through the pipeline of the script holding
+    them (script_for) on p ranks; returns
     this rank's gradients by name (tied gradient summed), the reference's, the loss, the measured live activations,
     the collectives called, the model state bytes and the script's figures."""
     torch.manual_seed(0)
@@ -394,8 +417,11 @@ def _pipeline_grads(rank, p, cases):
                                dtype="float32", vocab_parallel=vp,
                                stage_layers=layers or [CONFIG.n_layer // p // V] * p * V,
                                weight_decay=0.1, learning_rate=1e-3, beta1=0.9, beta2=0.95)
-        model = Pipeline(CONFIG, args, torch.device("cpu"))
+        model = script_for(schedule, vp).Pipeline(CONFIG, args, torch.device("cpu"))
         named = model.named_parameters()
+
+        def head_rows(r):  # the rows of wte that rank r's lm_head holds: all but with --vocab_parallel
+            return model.head_rows(r) if vp else slice(None)
         meter, issued, counts, eval_counts = LiveSaved([q for _, q in named]), [], {}, {}
         vocab_meter = LiveSaved([q for _, q in named])  # what a vocabulary pass saves while it runs, apart
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), recording(issued), \
@@ -408,7 +434,7 @@ def _pipeline_grads(rank, p, cases):
         programs = [[[(peer, is_send) for peer, is_send, _ in exchange] for _, exchange in program if exchange]
                     for program in (model.program, model.eval_program)]
         size = activation_bytes(model, 16 // m, CONFIG.block_size)
-        rows = model.head_rows(rank)
+        rows = head_rows(rank)
         max_diff = max((q.grad - (ref_grads[WTE][rows] if n == "lm_head.weight" else ref_grads[n])).abs().max().item()
                        for n, q in named)
         optimizer = model.configure_optimizer(args)
@@ -422,7 +448,7 @@ def _pipeline_grads(rank, p, cases):
                         vocab_peak=vocab_meter.peak,
                         # the tied gradient's rows, by the rank holding a copy of them, as hashes (a tensor returned
                         # through the spawn queue can outlive its sender's shared memory)
-                        tied={r: digest(tied[WTE][model.head_rows(r)]) for r in range(p)} if WTE in tied
+                        tied={r: digest(tied[WTE][head_rows(r)]) for r in range(p)} if WTE in tied
                         else {rank: digest(tied["lm_head.weight"])} if tied else {}))
     return out
 
@@ -568,7 +594,7 @@ def _restore(rank, p):
                            schedule="1f1b", n_microbatches=2, virtual_stages=1, seed=0, grad_accum_steps=1,
                            dtype="float32", vocab_parallel=True, stage_layers=[CONFIG.n_layer // p] * p,
                            weight_decay=0.1, learning_rate=1e-3, beta1=0.9, beta2=0.95)
-    model = Pipeline(CONFIG, args, torch.device("cpu"), model_state)
+    model = pp_vocab_train.Pipeline(CONFIG, args, torch.device("cpu"), model_state)
     optimizer = model.configure_optimizer(args, optimizer_state)
     rows, head = model.head_rows(rank), dict(model.named_parameters())["lm_head.weight"]
     ok = torch.equal(head, model_state[WTE][rows]) and all(
@@ -710,7 +736,7 @@ def test_print_schedule_is_a_bool_flag():
 
 def test_vocab_parallel_end_to_end(shared_run, tmp_path):
     flags = TINY + ["--max_iters", "3", "--vocab_parallel", "--print_schedule"]
-    result = launch("pp_train.py", 2, flags + ["--out_dir", str(tmp_path)], torchrun=False)
+    result = launch("pp_vocab_train.py", 2, flags + ["--out_dir", str(tmp_path)], torchrun=False)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout  # the stage plan: the last stage without lm_head, the vocabulary pass on both ranks
     assert "stage 1 (rank 1): blocks 1-1, ln_f: " in out and "vocabulary pass, every rank: lm_head rows r*25152" in out
@@ -720,10 +746,10 @@ def test_vocab_parallel_end_to_end(shared_run, tmp_path):
     assert max(abs(a - b) for a, b in zip(step_losses(tmp_path), reference)) <= 1e-5  # the parity tolerance
 
 
-def _stage_plan_error(flags, nproc):
-    args = parse_args("pp", add_pp_flags, TINY + flags)
+def _stage_plan_error(flags, nproc, script=pp_train):
+    args = parse_args("pp", script.add_pp_flags, TINY + flags)
     with pytest.raises(SystemExit) as exit_:
-        check_pp_args(args, nproc)
+        script.check_pp_args(args, nproc)
     return exit_.value.code
 
 
@@ -738,7 +764,9 @@ BAD_STAGES = [
     (["--vocab_parallel", "--vocab_size", "50305"], 2, "--vocab_parallel: --vocab_size (50305)"),
     (["--vocab_parallel"], 1, "--vocab_parallel: true needs --implementation custom and at least 2 ranks"),
     (["--vocab_parallel", "--implementation", "pytorch"], 2, "--vocab_parallel: true needs --implementation custom"),
-    (["--vocab_parallel", "--schedule", "zb1p"], 2, "--vocab_parallel: not with --schedule zb1p"),
+    # the vocabulary pass is a rendezvous of every rank each micro-batch, where the zero-bubble orders have ranks
+    # at different micro-batches: the two live in scripts of their own, each refusing the other's flag by name
+    (["--vocab_parallel", "--schedule", "zb1p"], 2, "--schedule zb1p: the zero-bubble schedules are in pp_zb_train.py"),
     (["--schedule", "zb1p", "--implementation", "pytorch", "--activation_checkpointing", "full"], 2,
      "--activation_checkpointing: torch's zero-bubble schedule cannot split"),
     (["--schedule", "zb1p", "--implementation", "pytorch", "--compile"], 2,
@@ -748,9 +776,15 @@ BAD_STAGES = [
 
 @pytest.mark.parametrize("flags,nproc,error", BAD_STAGES, ids=[" ".join(f) + f"-{n}r" for f, n, _ in BAD_STAGES])
 def test_bad_stage_layers_and_vocab_parallel(flags, nproc, error, capsys):
-    # check_pp_args in process (the launches in test_bad_input show the same die() is one line and exit 2 there)
-    assert _stage_plan_error(flags, nproc) == 2
-    assert capsys.readouterr().err.startswith(f"error: {error}")
+    # check_pp_args in process (the launches in test_bad_input show the same die() is one line and exit 2 there), of
+    # the script that holds the flags (script_for); every script checks the stages alike
+    schedule = flags[flags.index("--schedule") + 1] if "--schedule" in flags else "1f1b"
+    scripts = [script_for(schedule, "--vocab_parallel" in flags)]
+    if "--stage_layers" in flags:
+        scripts = [pp_train, pp_zb_train, pp_vocab_train]
+    for script in scripts:
+        assert _stage_plan_error(flags, nproc, script) == 2
+        assert capsys.readouterr().err.startswith(f"error: {error}"), script
 
 
 def test_uneven_stage_layers_are_accepted():
@@ -766,10 +800,10 @@ def test_compile_default_is_off_where_it_is_refused():
     """--compile's default (None: on with CUDA) turns off for torch's zero-bubble schedules, which refuse
     --compile (BAD_STAGES), and stays the device's elsewhere (common.distributed.setup resolves it)."""
     args = parse_args("pp", add_pp_flags, TINY + ["--schedule", "zb1p", "--implementation", "pytorch"])
-    check_pp_args(args, 2)
+    pp_zb_train.check_pp_args(args, 2)
     assert args.compile is False
     args = parse_args("pp", add_pp_flags, TINY + ["--schedule", "zb1p"])
-    check_pp_args(args, 2)
+    pp_zb_train.check_pp_args(args, 2)
     assert args.compile is None
 
 
@@ -782,10 +816,21 @@ BAD_INPUT = [
     (None, ["--schedule", "bogus"], "--schedule"),
     (None, ["--print_schedule", "--implementation", "pytorch"], "--print_schedule: true is only supported by"),
 ]
+PP_SCRIPTS = ["pp_train.py", "pp_zb_train.py", "pp_vocab_train.py"]
+BAD_INPUT = [(script, *row) for script in PP_SCRIPTS for row in BAD_INPUT] + [
+    # a flag or schedule that lives in a tier-2 script: one line naming it
+    ("pp_train.py", 2, ["--schedule", "zb1p"], "--schedule zb1p: the zero-bubble schedules are in pp_zb_train.py"),
+    ("pp_train.py", None, ["--schedule", "zbv"], "--schedule zbv: the zero-bubble schedules are in pp_zb_train.py"),
+    ("pp_train.py", 2, ["--vocab_parallel"], "--vocab_parallel: the vocabulary-parallel head is in pp_vocab_train.py"),
+    ("pp_zb_train.py", 2, ["--vocab_parallel"],
+     "--vocab_parallel: the vocabulary-parallel head is in pp_vocab_train.py"),
+    ("pp_vocab_train.py", 2, ["--schedule", "zbv"], "--schedule zbv: the zero-bubble schedules are in pp_zb_train.py"),
+]
 
 
-@pytest.mark.parametrize("nproc,flags,named", BAD_INPUT, ids=[" ".join(f) + f"-{n or 1}r" for n, f, _ in BAD_INPUT])
-def test_bad_input(nproc, flags, named, tmp_path, monkeypatch, capsys):
-    error = refusal("pp_train.py", nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags,
+@pytest.mark.parametrize("script,nproc,flags,named", BAD_INPUT,
+                         ids=[f"{s[:-9]}{' '.join(f)}-{n or 1}r" for s, n, f, _ in BAD_INPUT])
+def test_bad_input(script, nproc, flags, named, tmp_path, monkeypatch, capsys):
+    error = refusal(script, nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags,
                     monkeypatch, capsys)
     assert error.startswith(f"error: {named}") or f"argument {named}" in error, error

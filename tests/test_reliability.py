@@ -35,6 +35,10 @@ from common.model import configure_optimizer
 
 SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py"]
 TORCH_ON_CPU = SCRIPTS[:5]  # cp's PyTorch implementation needs CUDA SDPA kernels (tests/test_cp.py)
+# tier 2, each resumed as its base is: pp_train.py's copies (their checkpoint code is copied too), at their defaults
+SCRIPTS += ["pp_zb_train.py", "pp_vocab_train.py"]
+SCRIPTS += ["zero3_tuning_train.py"]  # zero3_train.py's copy with DeepSpeed's tuning knobs, at their defaults
+SCRIPTS += ["tp_overlap_train.py"]  # tp_train.py's copy with --tp_overlap (on by default); custom only
 # The parity config (so that the uninterrupted runs and the reference are test_parity.py's own runs,
 # shared through the shared_run fixture). --lr_decay_iters pins the schedule, so a run with fewer
 # --max_iters is a prefix of the longer one.
@@ -464,6 +468,7 @@ BAD = [  # (script, flags, nproc (None: one process), the flag the error must na
     ("zero3_train.py", ["--dataset", "nosuchdata"], 2, "--dataset"),
     ("tp_train.py", ["--n_head", "3", "--n_embd", "66"], 2, "--n_head"),
     ("tp_train.py", ["--timeout_s", "0"], None, "--timeout_s"),
+    ("tp_train.py", ["--tp_overlap"], 2, "tp_overlap_train.py"),  # a flag that moved names the script that has it
     ("pp_train.py", ["--batch_size", "6", "--n_microbatches", "4"], 2, "--batch_size"),
     ("pp_train.py", ["--n_layer", "2"], 4, "--n_layer"),
     ("cp_train.py", ["--dropout", "0.1"], 2, "--dropout"),

@@ -63,7 +63,7 @@ def test_a_torch_below_the_floor_or_what_a_peer_needs_is_one_clear_error(monkeyp
     error = refusal("pp_train.py", 2, ["--implementation", "pytorch", "--dtype", "bfloat16"], monkeypatch, capsys)
     assert error.startswith("error: --dtype: bfloat16 with --implementation pytorch needs torch >= 2.11")
     monkeypatch.setattr(torch, "__version__", TorchVersion("2.11.0"))  # torch's ZB-V on gloo: 2.12
-    error = refusal("pp_train.py", 2, ["--implementation", "pytorch", "--schedule", "zbv", "--n_layer", "4"],
+    error = refusal("pp_zb_train.py", 2, ["--implementation", "pytorch", "--schedule", "zbv", "--n_layer", "4"],
                     monkeypatch, capsys)
     assert error.startswith("error: --schedule: zbv with --implementation pytorch needs torch >= 2.12")
     monkeypatch.setattr(torch, "__version__", TorchVersion("2.10.0"))  # compared as a version, not as text

@@ -2,8 +2,9 @@
 equal slices of the reference init, the Megatron communication counts, activation memory with SP (in
 the blocks and in the script's summary), the strategy's gradients and clipping norm, the full
 checkpoint, dropout's streams (own per TP rank in the TP region, shared outside it; resume with dropout bit
-for bit), each rank's shards and rows in the real main() (tests/probe.py), bad input."""
-
+for bit), each rank's shards and rows in the real main() (tests/probe.py), bad input.
+tp_overlap_train.py (tier 2): its overlapped layers equal the unsharded ones and send the same numbers in
+pieces, and its bad input (its diff against tp_train.py is bounded in tests/test_tiers.py)."""
 from types import SimpleNamespace
 
 import pytest
@@ -16,8 +17,10 @@ from common.data import get_batch
 from common.distributed import torch_name
 from common.model import GPT, GPTConfig
 from common.metrics import SavedActivations
-from tp_train import (OVERLAP_CHUNKS, TPGroup, ColumnParallelLinear, RowParallelLinear, TPGPT, TensorParallel, VocabParallelCrossEntropy,
-                      VocabParallelEmbedding, all_reduce_grads, shard, shard_dim, unshard)
+import tp_overlap_train
+import tp_train
+from tp_overlap_train import OVERLAP_CHUNKS
+from tp_train import TPGroup, TPGPT, TensorParallel, all_reduce_grads, shard, shard_dim, unshard
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)
 B, T, C = 2, CONFIG.block_size, CONFIG.n_embd
@@ -36,10 +39,17 @@ def _layers_equal_unsharded(rank, world_size):
     return {(sp, overlap): _layers_equal_unsharded_sp(sp, overlap) for sp in (False, True) for overlap in (False, True)}
 
 
+def _tp_group(sp, overlap):
+    """tp_train.py's TPGroup, or with overlap tp_overlap_train.py's (--tp_overlap on), and the script's module."""
+    if overlap:
+        return tp_overlap_train.TPGroup(dist.group.WORLD, sp, overlap=True), tp_overlap_train
+    return TPGroup(dist.group.WORLD, sp), tp_train
+
+
 def _layers_equal_unsharded_sp(sp, overlap=False):
-    """Each parallel layer vs its unsharded counterpart on the same input and output gradient (overlap: the
-    --tp_overlap Functions, whose collectives travel in pieces under the matmuls)."""
-    tp = TPGroup(dist.group.WORLD, sp, overlap)
+    """Each parallel layer vs its unsharded counterpart on the same input and output gradient (overlap:
+    tp_overlap_train.py's Functions, whose collectives travel in pieces under the matmuls)."""
+    tp, script = _tp_group(sp, overlap)
     torch.manual_seed(0)  # the same full tensors on every rank
     diffs = {}
 
@@ -51,7 +61,7 @@ def _layers_equal_unsharded_sp(sp, overlap=False):
         grad_out = torch.randn(B, T, out_f)
         y = full(x)
         y.backward(grad_out)
-        layer = (ColumnParallelLinear if kind == "column" else RowParallelLinear)(tp, in_f, out_f, True)
+        layer = (script.ColumnParallelLinear if kind == "column" else script.RowParallelLinear)(tp, in_f, out_f, True)
         with torch.no_grad():
             layer.weight.copy_(shard(name + ".weight", full.weight, tp.rank, tp.size))
             layer.bias.copy_(shard(name + ".bias", full.bias, tp.rank, tp.size))
@@ -79,7 +89,7 @@ def _layers_equal_unsharded_sp(sp, overlap=False):
     idx[0, :4] = torch.tensor([0, CONFIG.vocab_size // 2 - 1, CONFIG.vocab_size // 2, CONFIG.vocab_size - 1])  # edges
     grad_out = torch.randn(B, T, C)
     full(idx).backward(grad_out)
-    emb = VocabParallelEmbedding(tp, CONFIG.vocab_size, C)
+    emb = script.VocabParallelEmbedding(tp, CONFIG.vocab_size, C)
     with torch.no_grad():
         emb.weight.copy_(shard("transformer.wte.weight", full.weight, tp.rank, tp.size))
     out = emb(idx)
@@ -93,7 +103,7 @@ def _layers_equal_unsharded_sp(sp, overlap=False):
     targets[:2] = torch.tensor([0, CONFIG.vocab_size - 1])
     F.cross_entropy(logits, targets).backward()
     logits_local = logits.detach().chunk(tp.size, dim=1)[tp.rank].clone().requires_grad_()
-    loss = VocabParallelCrossEntropy.apply(logits_local, targets, emb.vocab_start, tp.group).mean()
+    loss = script.VocabParallelCrossEntropy.apply(logits_local, targets, emb.vocab_start, tp.group).mean()
     loss.backward()
     diffs["vocab-parallel cross-entropy"] = _max_diff([(loss, F.cross_entropy(logits.detach(), targets)),
                                                         (logits_local.grad, logits.grad.chunk(tp.size, dim=1)[tp.rank])])
@@ -127,7 +137,7 @@ BALANCED = GPTConfig(block_size=16, vocab_size=256, n_layer=4, n_head=4, n_embd=
 def _full_state_memory(rank, world_size):
     """full_state after one step on BALANCED, under DeviceMemory; for reference, every full tensor gathered."""
     args = SimpleNamespace(activation_checkpointing="none", compile=False,
-                           tensor_parallel_size=2, sequence_parallel=False, loss_parallel=True, tp_overlap=False,
+                           tensor_parallel_size=2, sequence_parallel=False, loss_parallel=True,
                            seed=0, grad_accum_steps=1, dtype="float32", weight_decay=0.1, learning_rate=1e-3,
                            beta1=0.9, beta2=0.95)
     strategy = TensorParallel(BALANCED, args, torch.device("cpu"))
@@ -164,7 +174,7 @@ def _model_equals_reference(rank, world_size):
 def _strategy(sp):
     """tp_train's TensorParallel on the 2 ranks (TP=2, D=1), as main() builds it."""
     args = SimpleNamespace(activation_checkpointing="none", compile=False,
-                           tensor_parallel_size=2, sequence_parallel=sp, loss_parallel=True, tp_overlap=False, seed=0,
+                           tensor_parallel_size=2, sequence_parallel=sp, loss_parallel=True, seed=0,
                            grad_accum_steps=1, dtype="float32")
     return TensorParallel(CONFIG, args, torch.device("cpu"))
 
@@ -212,7 +222,7 @@ def _count_all(rank, world_size):
 def _count_collectives(sp, whole_model, overlap=False):
     """Calls of each collective (and their sizes; for batch_isend_irecv, each isend's) in one forward and one
     backward."""
-    tp = TPGroup(dist.group.WORLD, sp, overlap)
+    tp, script = _tp_group(sp, overlap)
     calls, originals = [], {name: getattr(dist, torch_name(name)) for name in COLLECTIVES + ("batch_isend_irecv",)}
 
     def counting(name):
@@ -225,11 +235,11 @@ def _count_collectives(sp, whole_model, overlap=False):
         return collective
 
     if whole_model:
-        module = TPGPT(tp, CONFIG, seed=0, device="cpu")
+        module = script.TPGPT(tp, CONFIG, seed=0, device="cpu")
         x, y = get_batch("train", 0, B, T, seed=0)
         run = lambda: module(x, y)[1]
     else:
-        module = TPGPT(tp, CONFIG, seed=0, device="cpu").transformer.h[0]
+        module = script.TPGPT(tp, CONFIG, seed=0, device="cpu").transformer.h[0]
         x = torch.randn(B, T // tp.size if sp else T, C, requires_grad=True)
         run = lambda: module(x).square().sum()
     for name in originals:
@@ -369,19 +379,26 @@ def test_the_script_measures_saved_activations_and_sp_shrinks_them(runs):
 
 
 BAD_INPUT = [
-    (None, ["--tensor_parallel_size", "2", "--n_head", "3", "--n_embd", "48"], "--n_head"),
-    (None, ["--tensor_parallel_size", "2", "--vocab_size", "50305"], "--vocab_size"),
-    (None, ["--tensor_parallel_size", "2"], "--tensor_parallel_size"),  # 2 x 1 != 1 rank
-    (2, ["--sequence_parallel", "--block_size", "31"], "--block_size"),
-    (2, ["--tensor_parallel_size", "3"], "--tensor_parallel_size"),
-    (4, ["--tensor_parallel_size", "2", "--batch_size", "6", "--grad_accum_steps", "2"], "--batch_size"),
-    (2, ["--tp_overlap", "--implementation", "pytorch"], "--tp_overlap"),
+    ("tp_train.py", None, ["--tensor_parallel_size", "2", "--n_head", "3", "--n_embd", "48"], "--n_head"),
+    ("tp_train.py", None, ["--tensor_parallel_size", "2", "--vocab_size", "50305"], "--vocab_size"),
+    ("tp_train.py", None, ["--tensor_parallel_size", "2"], "--tensor_parallel_size"),  # 2 x 1 != 1 rank
+    ("tp_train.py", 2, ["--sequence_parallel", "--block_size", "31"], "--block_size"),
+    ("tp_train.py", 2, ["--tensor_parallel_size", "3"], "--tensor_parallel_size"),
+    ("tp_train.py", 4, ["--tensor_parallel_size", "2", "--batch_size", "6", "--grad_accum_steps", "2"], "--batch_size"),
+    # the flag that moved names the script that has it, whatever its value
+    ("tp_train.py", 2, ["--tp_overlap"], "--tp_overlap: the collectives overlapped with the matmuls are in tp_overlap_train.py"),
+    ("tp_train.py", 2, ["--tp_overlap", "false"], "tp_overlap_train.py"),
+    # torch's async TP needs compile and CUDA's symmetric memory: no PyTorch peer here (tp_train.py has DTensor's)
+    ("tp_overlap_train.py", 2, ["--implementation", "pytorch"], "--implementation"),
+    ("tp_overlap_train.py", 2, ["--implementation", "pytorch", "--tp_overlap", "false"], "--implementation"),
+    ("tp_overlap_train.py", 2, ["--tensor_parallel_size", "3"], "--tensor_parallel_size"),
 ]
 
 
-@pytest.mark.parametrize("nproc,flags,named", BAD_INPUT, ids=[" ".join(f) + f"-{n or 1}r" for n, f, _ in BAD_INPUT])
-def test_bad_input(nproc, flags, named, tmp_path, monkeypatch, capsys):
-    assert named in refusal("tp_train.py", nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags,
+@pytest.mark.parametrize("script,nproc,flags,named", BAD_INPUT,
+                         ids=[f"{s[:-9]}-" + " ".join(f) + f"-{n or 1}r" for s, n, f, _ in BAD_INPUT])
+def test_bad_input(script, nproc, flags, named, tmp_path, monkeypatch, capsys):
+    assert named in refusal(script, nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags,
                             monkeypatch, capsys)
 
 
@@ -408,7 +425,7 @@ def _dropout_streams(rank, world_size):
     for impl in ("custom", "pytorch"):
         for sp in (False, True):
             args = SimpleNamespace(activation_checkpointing="none", compile=False,
-                                   tensor_parallel_size=2, sequence_parallel=sp, loss_parallel=True, tp_overlap=False, seed=0,
+                                   tensor_parallel_size=2, sequence_parallel=sp, loss_parallel=True, seed=0,
                                    grad_accum_steps=1, dtype="float32")
             torch.manual_seed(100 + rank)  # unequal, as resume() leaves them from a checkpoint of another world size
             strategy = (TensorParallel if impl == "custom" else TorchTP)(config, args, torch.device("cpu"),

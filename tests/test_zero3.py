@@ -2,7 +2,9 @@
 communication ledgers, bf16 (what autograd saves, half the broadcast bytes), checkpoint round trip, more ranks than
 tensors, bad input;
 stages 1 and 2 and stage 1's peer (DDP + ZeroRedundancyOptimizer): one step equal to one process, memory and
-communication ledgers, the peer's consolidated checkpoint; resume across the stages."""
+communication ledgers, the peer's consolidated checkpoint; resume across the stages.
+The pieces are zero3_tuning_train.py's: zero3_train.py's plus DeepSpeed's tuning knobs, the same code at their
+defaults (tests/test_tiers.py bounds the difference; test_parity.py runs both scripts end to end)."""
 import re
 import shutil
 import weakref
@@ -21,7 +23,7 @@ from common.config import parse_args
 from common.data import get_batch
 from common.metrics import activations, held_bytes, model_state_bytes
 from common.model import GPT, PRESETS, GPTConfig, configure_optimizer, init_tensor, num_params
-from zero3_train import (STAGES, GradientBuckets, ParamFetcher, ReduceToOwner, ZeRO1, ZeRO2, ZeRO3, add_zero3_flags,
+from zero3_tuning_train import (STAGES, GradientBuckets, ParamFetcher, ReduceToOwner, ZeRO1, ZeRO2, ZeRO3, add_zero3_flags,
                          gather_full_state, materialize_owned_, partition)
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)  # wte is 97% of P
@@ -73,7 +75,7 @@ def _backward(model, reducer, fetcher, x, y, accum, world_size, dtype=torch.floa
     """One optimizer step's micro-steps, as ZeRO3.forward_backward runs them; leaves averaged owned gradients."""
     micro = x.size(0) // accum
     for j in range(accum):
-        reducer.sync_persistent = j == accum - 1
+        reducer.sync = j == accum - 1
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             _, loss = model(x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro])
         (loss / (accum * world_size)).backward()  # the reduces' sums are then the mean
@@ -672,7 +674,7 @@ def test_stage_ledgers(ranks, one_process_step, case):
 def test_ranks_owning_nothing_warn_and_still_train(tmp_path):
     # only the embedding (50304 x 64) has >= 3M elements: rank 1 owns nothing (its gradients are
     # checked against one process in test_owned_gradients_equal_one_process[threshold1000000...])
-    result = launch("zero3_train.py", 2, TINY + ["--max_iters", "3", "--persistence_threshold", "3000000",
+    result = launch("zero3_tuning_train.py", 2, TINY + ["--max_iters", "3", "--persistence_threshold", "3000000",
                                                  "--out_dir", str(tmp_path)], timeout=120, torchrun=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "warning: some of the 2 ranks own no tensor" in result.stdout
@@ -687,7 +689,7 @@ def test_ranks_owning_nothing_warn_and_still_train(tmp_path):
     assert set(ckpt["model"]) == set(model.state_dict()) and "lm_head.weight" in ckpt["model"]
     model.load_state_dict(ckpt["model"], assign=True)  # strict: exactly GPT's keys and shapes
     # resumed at its last step by 2 ranks: each takes what it owns, trains nothing and gathers it again
-    result = launch("zero3_train.py", 2, TINY + ["--max_iters", "3", "--persistence_threshold", "3000000",
+    result = launch("zero3_tuning_train.py", 2, TINY + ["--max_iters", "3", "--persistence_threshold", "3000000",
                                                  "--resume", "--out_dir", str(tmp_path)], torchrun=False)
     assert result.returncode == 0, result.stderr[-3000:]
     again = torch.load(tmp_path / "ckpt.pt", weights_only=False)
@@ -719,11 +721,11 @@ def test_resume_across_stages_matches_one_process(shared_run, tmp_path):
 
 def test_stage_2_has_no_pytorch_peer_and_stage_3_flags_need_stage_3(tmp_path, monkeypatch, capsys):
     args = TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)]
-    error = refusal("zero3_train.py", None, args + ["--stage", "2", "--implementation", "pytorch"], monkeypatch, capsys)
+    error = refusal("zero3_tuning_train.py", None, args + ["--stage", "2", "--implementation", "pytorch"], monkeypatch, capsys)
     assert error.startswith("error: --stage: 2 has no PyTorch peer")
-    error = refusal("zero3_train.py", None, args + ["--stage", "1", "--max_reuse_distance", "0"], monkeypatch, capsys)
+    error = refusal("zero3_tuning_train.py", None, args + ["--stage", "1", "--max_reuse_distance", "0"], monkeypatch, capsys)
     assert error == "error: --max_reuse_distance: 0 applies to --stage 3 only"
-    error = refusal("zero3_train.py", None, args + ["--stage", "1", "--reduce_bucket_mb", "10"], monkeypatch, capsys)
+    error = refusal("zero3_tuning_train.py", None, args + ["--stage", "1", "--reduce_bucket_mb", "10"], monkeypatch, capsys)
     assert error == "error: --reduce_bucket_mb: 10 applies to --stage 2 and 3 only"
 
 
@@ -736,13 +738,20 @@ BAD_INPUT = [(["--prefetch", "false"], "--prefetch: false"),
 @pytest.mark.parametrize("flags,named", BAD_INPUT, ids=[" ".join(f) for f, _ in BAD_INPUT])
 def test_flags_that_do_not_apply_give_one_clear_error(flags, named, tmp_path, monkeypatch, capsys):
     args = TINY + ["--max_iters", "2", "--implementation", "pytorch", "--out_dir", str(tmp_path)] + flags
-    assert refusal("zero3_train.py", None, args, monkeypatch, capsys) == \
+    assert refusal("zero3_tuning_train.py", None, args, monkeypatch, capsys) == \
         f"error: {named} is only supported by --implementation custom"
 
 
 @pytest.mark.parametrize("flag,shown", [("--persistence_threshold", "-1"), ("--max_reuse_distance", "-1"),
                                         ("--reduce_bucket_mb", "-1.0")])
 def test_negative_sizes_give_one_clear_error(flag, shown, tmp_path, monkeypatch, capsys):
-    error = refusal("zero3_train.py", None, TINY + ["--max_iters", "2", flag, "-1", "--out_dir", str(tmp_path)],
+    error = refusal("zero3_tuning_train.py", None, TINY + ["--max_iters", "2", flag, "-1", "--out_dir", str(tmp_path)],
                     monkeypatch, capsys)
     assert error == f"error: {flag}: must be >= 0, got {shown}"
+
+
+@pytest.mark.parametrize("flag", ["--persistence_threshold", "--reduce_bucket_mb", "--max_reuse_distance"])
+def test_tuning_knobs_name_their_script(flag, tmp_path, monkeypatch, capsys):
+    error = refusal("zero3_train.py", None, TINY + ["--max_iters", "2", flag, "0", "--out_dir", str(tmp_path)],
+                    monkeypatch, capsys)
+    assert error == f"error: {flag}: DeepSpeed's tuning knobs are in zero3_tuning_train.py"

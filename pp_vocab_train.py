@@ -1,0 +1,724 @@
+"""PP with the head split by vocabulary: pp_train.py's pipeline plus --vocab_parallel.
+
+The n_layer blocks are cut into n_stages = pp_size * V stages, V = --virtual_stages chunks per rank
+(n_chunks): rank r runs stages r, r + pp_size, ...; equal ones, or --stage_layers 3,1 (blocks per
+stage); the first also holds wte/wpe, the last ln_f and lm_head. Every rank sees every row (no data
+parallelism): each micro-step's `micro` rows are cut into M micro-batches.
+  memory per rank:  about 16P/pp_size (fp32 params + grads + AdamW), plus a copy of the tied wte
+                    (lm_head) on the last rank; activations of the micro-batches between F and B.
+  communication:    each micro-batch's activation (micro/M x T x C fp32) goes to the next stage
+                    and its gradient comes back: 2*M*(n_stages-1) messages a micro-step; plus a
+                    step's all-reduce of the tied wte/lm_head gradient (4*vocab*C bytes), 2 ranks.
+The schedule orders each rank's forwards (F) and backwards (B). With equal stages a rank idles (the
+"bubble") (pp_size-1)/(M+pp_size-1) of a step; --print_schedule measures it and draws a timeline.
+  gpipe        all M forwards, then all M backwards: M micro-batches' activations live at once.
+  1f1b         pp_size-r-1 warm-up forwards, then one F one B: at most pp_size micro-batches
+               live, whatever M is.
+  interleaved  1F1B over V chunks per rank (Megatron): a bubble of (pp_size-1)/(V*M+pp_size-1),
+               for V times more messages.
+The head and loss (2*vocab*C FLOPs a token) make the last stage the slowest unless n_layer >=
+vocab/(12C) blocks can balance them. --vocab_parallel (Yeung et al. 2024, "Balancing Pipeline
+Parallelism with Vocabulary Parallelism") splits them over all pp_size ranks instead: rank r
+holds lm_head rows [r*vocab/pp_size, (r+1)*vocab/pp_size), a copy of wte's rows
+(16*vocab*C/pp_size bytes with AdamW; wte stays on the first stage), and every micro-batch gets one
+more action on every rank, its vocabulary pass L (the head and the loss, see vocab_pass): one
+broadcast of the last stage's output and one reduce of its gradient (4*micro/M*T*C bytes each),
+two all-reduces of micro/M*T and 2x that numbers (the softmax's max and sums). In 1f1b a rank d
+stages before the last warms up 2d forwards (so 2d+1 micro-batches live) and then runs L(k),
+F(k+d), B(k-d) in the time the last runs F(k), L(k), B(k): no rank waits for the vocabulary
+passes' collectives.
+Zero bubble (zb1p, zbv) is in pp_zb_train.py.
+Run:
+  python pp_vocab_train.py  # single process: one stage, the reference
+  torchrun --standalone --nproc_per_node=2 pp_vocab_train.py  # 2 stages (2 GPUs or 2 CPU processes)
+  torchrun --standalone --nproc_per_node=2 pp_vocab_train.py --vocab_parallel --print_schedule
+The derivations and measured bubbles: docs/pp.md.
+"""
+import itertools
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
+
+from common.checkpoint import checkpoint, gather_to_rank0, resume, set_adamw_state
+from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
+from common.data import Batches, get_batch
+from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
+from common.metrics import MFU, Metrics, Profiler, model_state_bytes, timers
+from common.model import GPT, LOSS_CHUNK_ROWS, compile_forward, configure_optimizer
+from common.model import cross_entropy, init_tensor
+from common.recompute import checkpoint_blocks
+from common.schedule_report import ScheduleReport, stage_plan
+import peers.torch_pp
+
+ZERO_BUBBLE = ("zb1p", "zbv")  # pp_zb_train.py's schedules: refused here by name
+
+WTE_NAME = "transformer.wte.weight"  # lm_head.weight is tied to it: the last stage holds a copy
+
+
+# ---- the strategy: stages, schedules, and the executor that runs them with send/recv ---------
+
+class Stage(nn.Module):
+    """Global stage `index` of `n_stages`: its blocks (named as in GPT, e.g. transformer.h.2, so
+    checkpoints and optimizer state keep GPT's names), plus wte/wpe on the first stage and ln_f on
+    the last. `head`: the rows of the tied wte this stage's lm_head holds (a copy unless the stage
+    also holds wte): all of them on the last stage, or, with --vocab_parallel, vocab/pp_size rows
+    on the first chunk of every rank, and then the last stage ends at ln_f. Only these tensors get
+    storage, from the full checkpoint `state` or GPT's init."""
+
+    def __init__(self, config, index, n_stages, blocks, head, vocab_parallel, state, seed, device):
+        super().__init__()
+        full = GPT(config, device="meta").transformer  # the whole model without storage
+        self.first = index == 0
+        self.last = index == n_stages - 1
+        self.vocab_parallel = vocab_parallel
+        pieces = dict(h=nn.ModuleDict({str(i): full.h[i] for i in blocks}))
+        if self.first:
+            pieces.update(wte=full.wte, wpe=full.wpe, drop=full.drop)
+        if self.last:
+            pieces.update(ln_f=full.ln_f)
+        self.transformer = nn.ModuleDict(pieces)
+        if head is not None:  # its own Parameter: a copy of wte's rows (unless tied below)
+            n_rows = head.stop - head.start
+            self.lm_head = nn.Linear(config.n_embd, n_rows, bias=False, device="meta")
+        self.to_empty(device=device)
+        if self.first and self.last and not vocab_parallel:
+            self.lm_head.weight = self.transformer.wte.weight  # one stage: the tie is one tensor
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                rows = slice(None)
+                if name == "lm_head.weight":  # the copy of wte starts from wte's rows
+                    name, rows = WTE_NAME, head
+                if state is not None:
+                    value = state[name]
+                else:
+                    shape = (config.vocab_size, config.n_embd) if name == WTE_NAME else param.shape
+                    value = init_tensor(name, shape, config, seed)
+                param.copy_(value[rows])
+
+    def forward(self, x, targets=None):  # token ids on the first stage, else an activation
+        if self.first:
+            pos = torch.arange(x.size(1), device=x.device)
+            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
+        for block in self.transformer.h.values():
+            x = block(x)
+        if not self.last:
+            return x
+        x = self.transformer.ln_f(x)
+        if self.vocab_parallel:  # every rank's vocabulary pass computes the logits and the loss
+            return x
+        logits = self.lm_head(x)  # the last stage: logits, or their mean loss
+        if targets is None:
+            return logits
+        return cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, vocab)
+
+
+# ---- the strategy: the schedules, as data ----------------------------------------------------
+
+def schedule_actions(schedule, rank, pp_size, microbatches, n_chunks=1, vocab_parallel=False):
+    """The ordered actions of `rank` for one batch: (op, microbatch, chunk) with op "F" or "B", and
+    with --vocab_parallel ("L", microbatch, 0): the micro-batch's vocabulary pass, forward and
+    backward, on every rank; chunk c of rank r is global stage c*pp_size + r. A pure function, so
+    tests can check orders. Every schedule is: warm-up forwards, then one forward one backward,
+    then the remaining backwards; they differ in the warm-up."""
+    total = microbatches * n_chunks
+    to_last = pp_size - rank - 1  # d: how many ranks come after this one
+
+    def microbatch(k):  # of the k-th forward: pp_size micro-batches through chunk 0, the same
+        return k // (pp_size * n_chunks) * pp_size + k % pp_size  # through chunk 1, ...
+
+    def forward(k):
+        return ("F", microbatch(k), k // pp_size % n_chunks)
+
+    def backward(k):  # the chunks in reverse
+        return ("B", microbatch(k), n_chunks - 1 - k // pp_size % n_chunks)
+
+    if vocab_parallel and schedule != "1f1b":
+        # L(k) on every rank in the step after the last stage's F(k) in the plain schedule's
+        # timetable: the same order everywhere, and no rank reaches it much before the others.
+        plain = []
+        for other in range(pp_size):
+            plain.append(schedule_actions(schedule, other, pp_size, microbatches, n_chunks))
+        table = timetable(plain, pp_size * n_chunks)
+        actions = []
+        for mine, last in zip(table[rank], table[-1]):
+            if mine:
+                actions.append(mine)
+            if last and last[0] == "F" and last[2] == n_chunks - 1:
+                actions.append(("L", last[1], 0))
+        return actions
+    # The warm-up: the forwards before the first backward.
+    if schedule == "gpipe":  # all of them
+        warmup = total
+    elif schedule == "1f1b" and vocab_parallel:  # 2d, see below
+        warmup = 2 * to_last
+    elif schedule == "1f1b":  # those before the first backward can arrive: <= pp_size-rank live
+        warmup = to_last
+    else:  # interleaved (Megatron)
+        warmup = 2 * to_last + (n_chunks - 1) * pp_size
+    warmup = min(warmup, total)
+    actions = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions.append(forward(warmup + k))
+        actions.append(backward(k))
+    actions += [backward(k) for k in range(total - warmup, total)]
+    if not vocab_parallel:
+        return actions
+    # 1f1b: the last rank runs F(k), L(k), B(k); the rank d before it, once full, runs L(k),
+    # F(k+d), B(k-d) in the time of one such cycle: its F(k+d) is the input of the stage after it
+    # in the next cycle, its B(k-d) the gradient the stage after it sent the cycle before. So L(k)
+    # goes before F(k+d), or B(k-d) once the forwards are done.
+    for k in range(microbatches):
+        if 0 < to_last and k + to_last < microbatches:
+            before = forward(k + to_last)
+        else:
+            before = backward(max(k - to_last, 0))
+        actions.insert(actions.index(before), ("L", k, 0))
+    return actions
+
+
+def stage_index(rank, chunk, pp_size):
+    """The global stage of `rank`'s chunk: chunk*pp_size + rank."""
+    return chunk * pp_size + rank
+
+
+def stage_rank(stage, pp_size):
+    """The rank that holds global stage `stage` (the inverse of stage_index)."""
+    return stage % pp_size
+
+
+def messages(action, rank, pp_size, n_stages):
+    """What `action` on `rank` receives and sends, each (peer rank, name), None at the ends of the
+    pipeline. A message is named (op, micro-batch, sending stage): F sends its output to the next
+    stage, B its input's gradient back. A vocabulary pass (L) exchanges none: its collectives run
+    on every rank in the same step (see timetable)."""
+    op, mb, chunk = action
+    if op == "L":
+        return None, None
+    stage = stage_index(rank, chunk, pp_size)  # the global stage
+    direction = 1 if op == "F" else -1
+    source = stage - direction
+    target = stage + direction
+    recv = send = None
+    if 0 <= source < n_stages:
+        recv = (stage_rank(source, pp_size), (op, mb, source))
+    if 0 <= target < n_stages:
+        send = (stage_rank(target, pp_size), (op, mb, stage))
+    return recv, send
+
+
+def timetable(actions, n_stages):
+    """Every rank's actions (actions[rank]: its own, in order) on one clock of equal steps, as
+    PyTorch's pipelining lays out its multi-stage schedules: a rank runs its next action at the
+    first step after the one that sent the message it needs, and idles (None) until then; a
+    vocabulary pass L(k) runs in the first step at which it is the next action of every rank.
+    Returns table[rank][step]."""
+    pp_size = len(actions)
+    todo = [list(rank_actions) for rank_actions in actions]
+    sent = set()
+    table = [[] for _ in actions]
+    while any(todo):
+        ready = [False] * pp_size
+        for rank, queue in enumerate(todo):
+            if not queue:
+                continue
+            if queue[0][0] == "L":  # a rendezvous: the next action of every rank
+                ready[rank] = all(other and other[0] == queue[0] for other in todo)
+            else:
+                need = messages(queue[0], rank, pp_size, n_stages)[0]
+                ready[rank] = need is None or need[1] in sent
+        step = [queue.pop(0) if go else None for queue, go in zip(todo, ready)]
+        assert any(step), "the schedule waits for itself"
+        for rank, action in enumerate(step):
+            table[rank].append(action)
+            send = action and messages(action, rank, pp_size, n_stages)[1]
+            if send:
+                sent.add(send[1])
+    return table
+
+
+def p2p_program(table, rank, n_stages):
+    """This rank's program, one entry per step of the timetable: (its action or None, the messages
+    exchanged after it, as (peer, is_send, name)): what its action sends, and what the neighbours'
+    actions of the same step send to it. Under NCCL a send may complete only when its receive is
+    posted, and messages between two ranks are matched in order; so each step's sends and receives
+    are posted together (one batch_isend_irecv) and waited before the next step, as
+    torch.distributed.pipelining does: every message is received in the step it is sent, in the
+    same order on both sides, and no rank waits in a send for a peer that waits in a send itself
+    (when interleaved, activations flow both ways between ranks 0 and pp_size-1)."""
+    pp_size = len(table)
+    program = []
+    for tick, action in enumerate(table[rank]):
+        ops = []
+        for other in range(pp_size):
+            theirs = table[other][tick]
+            send = theirs and messages(theirs, other, pp_size, n_stages)[1]
+            if send and other == rank:  # what my action sends
+                ops.append((send[0], True, send[1]))
+            elif send and send[0] == rank:  # what a neighbour's action sends me
+                ops.append((other, False, send[1]))
+        program.append((action, ops))
+    return program
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from (N, vocab/p) logit slices in their own dtype (bf16 under
+    autocast), one per rank of `group` (tp_train.py's, written out again): loss =
+    log(sum_v exp(z_v - m)) - (z_t - m) with m the global max, from one all-reduce (MAX) of N
+    numbers and one (SUM) of 2N: each slice's sum of exp and the target's logit, which lives in
+    one slice only. fp32 only 1024 rows at a time (LOSS_CHUNK_ROWS): no fp32 copy of the slice
+    exists. Backward needs no communication: d loss / d z = softmax - onehot(t), recomputed a
+    chunk at a time from the saved logits."""
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group):
+        m = logits.amax(dim=-1).float()  # (N,): exact in any dtype
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # N numbers, for stability
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank owns
+        local = local.clamp(0, logits.size(-1) - 1)
+        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float()  # (N,)
+        chunks = zip(logits.split(LOSS_CHUNK_ROWS), m.split(LOSS_CHUNK_ROWS))
+        # each chunk fp32 by promotion (m is), one chunk at a time: no fp32 copy of the logits
+        sum_exp = torch.cat([(z - m_z.unsqueeze(-1)).exp_().sum(-1) for z, m_z in chunks])
+        sums = torch.stack([sum_exp, torch.where(mine, picked - m, 0.0)])  # (2, N)
+        dist.all_reduce(sums, group=group)  # 2N numbers: sums of exp, the targets' logits
+        ctx.save_for_backward(logits, m, sums[0], local, mine)
+        return sums[0].log() - sums[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, m, sum_exp, local, mine = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        # g (softmax - onehot), g a row's upstream gradient: |g| softmax = exp(z - m - log(sum_exp)
+        # + log|g|), one exp per chunk written straight in the logits' dtype (3 passes, not 5)
+        shift = m + sum_exp.log() - grad.abs().log()  # (N,) fp32; g = 0: +inf, a row of zeros
+        for start in range(0, logits.size(0), LOSS_CHUNK_ROWS):
+            rows = slice(start, start + LOSS_CHUNK_ROWS)
+            out = grad_logits[rows]
+            torch.exp(logits[rows] - shift[rows, None], out=out)  # fp32 by promotion
+            target = (mine[rows] * grad[rows].abs()).to(out.dtype)  # -|g| at an owned target
+            out.scatter_add_(-1, local[rows, None], -target[:, None])
+            out.mul_(grad[rows].sign().to(out.dtype)[:, None])  # g < 0 (a negated loss)
+        return grad_logits, None, None, None
+
+
+def vocab_pass(h, targets, head, vocab_start, last, group, scale, cast):
+    """One micro-batch's output layer and loss, split by vocabulary over the p ranks of `group`;
+    forward and, with grad, backward at once: the loss needs nothing from the stages before, so its
+    backward can start right away. h: the last stage's ln_f output (rows x T x C fp32), already
+    broadcast to every rank. Returns the mean loss (known to every rank) and, with grad, on rank
+    `last`, d(scale * loss)/dh for the last stage's backward; d(scale * loss)/d(my rows)
+    accumulates in head.weight.grad, which never moves."""
+    h.requires_grad_(torch.is_grad_enabled())
+    with cast:
+        logits = head(h)  # (rows, T, vocab/p): my rows' logits
+    flat_logits = logits.flatten(0, 1)  # (rows*T, vocab/p)
+    per_token = VocabParallelCrossEntropy.apply(flat_logits, targets.flatten(), vocab_start, group)
+    loss = per_token.mean()
+    if not torch.is_grad_enabled():
+        return loss, None
+    (loss * scale).backward()
+    # 4*rows*T*C bytes: each rank's part of dh (its rows' dz @ W), summed onto the last rank
+    dist.reduce(h.grad, dst=last, group=group)
+    if dist.get_rank() != last:
+        return loss.detach(), None
+    return loss.detach(), h.grad
+
+
+class Pipeline:
+    """The strategy behind the loop's few methods: this rank's chunks (Stages) and its schedule's
+    actions."""
+    checkpoint_blocks = staticmethod(checkpoint_blocks)  # --activation_checkpointing's, by hand
+
+    def __init__(self, config, args, device, state=None):
+        self.config, self.args, self.device = config, args, device
+        self.M = args.n_microbatches
+        self.rank = dist.get_rank()
+        self.pp_size = dist.get_world_size()
+        n_chunks = args.virtual_stages
+        vocab_parallel = args.vocab_parallel
+        self.n_stages = self.pp_size * n_chunks
+        # the rank of the last stage: its loss, and the head
+        self.loss_rank = self.rank_of(self.n_stages - 1)
+        first_block = list(itertools.accumulate(args.stage_layers, initial=0))
+        self.chunks = nn.ModuleList()
+        for chunk in range(n_chunks):
+            stage = self.stage_of(chunk)  # its global stage
+            # lm_head: all rows on the last stage; with --vocab_parallel my rows on my first chunk
+            holds_head = (chunk == 0) if vocab_parallel else (stage == self.n_stages - 1)
+            head = self.head_rows(self.rank) if holds_head else None
+            blocks = range(first_block[stage], first_block[stage + 1])
+            self.chunks.append(Stage(config, stage, self.n_stages, blocks, head, vocab_parallel,
+                                     state, args.seed, device))
+            # --compile: each block's forward (the p2p messages pass between chunks)
+            compile_forward(self.chunks[-1].transformer.h.values(), args.compile)
+            # full: a chunk's forward runs again at its B action, inside its backward, so it keeps
+            # only each block's input from F to B (the schedule's live activations shrink)
+            self.checkpoint_blocks(self.chunks[-1].transformer.h.values(),
+                                   args.activation_checkpointing)
+        # Made by every rank, in the same order. p2p_group: the pipeline's messages, apart from the
+        # loop's collectives; vocab_group: the vocabulary passes' collectives; tied_groups[r]:
+        # rank 0 (wte) and rank r, which holds a copy of some of its rows.
+        # nccl: p2p_group connects here, every rank joining (new_group inherits setup's device_id),
+        # so its first batch_isend_irecv may be ranks 0 and 1 alone (more than 2 stages);
+        # a lazily connected group would need every rank in that first call.
+        self.p2p_group = dist.new_group()
+        self.vocab_group = dist.new_group() if vocab_parallel else None
+        self.tied_groups = {}
+        for other in range(1, self.pp_size):
+            if vocab_parallel or other == self.loss_rank:
+                self.tied_groups[other] = dist.new_group([0, other])
+        every = []  # every rank's actions: the timetable needs them all
+        for other in range(self.pp_size):
+            every.append(schedule_actions(args.schedule, other, self.pp_size, self.M, n_chunks,
+                                          vocab_parallel))
+        self.actions = every[self.rank]
+        table = timetable(every, self.n_stages)
+        self.program = p2p_program(table, self.rank, self.n_stages)
+        forwards = []  # evaluation: the same actions without the backwards
+        for actions in every:
+            forwards.append([action for action in actions if action[0] != "B"])
+        forward_table = timetable(forwards, self.n_stages)
+        self.eval_program = p2p_program(forward_table, self.rank, self.n_stages)
+
+    def stage_of(self, chunk):
+        return stage_index(self.rank, chunk, self.pp_size)
+
+    def rank_of(self, stage):
+        return stage_rank(stage, self.pp_size)
+
+    def head_rows(self, rank):
+        """The rows of the tied wte that `rank`'s lm_head holds: vocab/p of them each with
+        --vocab_parallel, else all."""
+        if not self.args.vocab_parallel:
+            return slice(0, self.config.vocab_size)
+        rows = self.config.vocab_size // self.pp_size
+        return slice(rank * rows, (rank + 1) * rows)
+
+    def named_parameters(self):
+        named = []
+        for chunk in self.chunks:
+            named += chunk.named_parameters()
+        return named
+
+    def configure_optimizer(self, args, state=None):
+        named = self.named_parameters()
+        betas = (args.beta1, args.beta2)
+        optimizer = configure_optimizer(named, args.weight_decay, args.learning_rate, betas)
+        if state:  # a checkpoint's AdamW state, keyed by GPT name
+            for name, param in named:
+                rows = slice(None)
+                if name == "lm_head.weight":  # the copy of wte's rows: their state, same gradient
+                    name, rows = WTE_NAME, self.head_rows(self.rank)
+                set_adamw_state(optimizer, param, state[name],
+                                lambda full: full[rows].to(self.device, copy=True))
+        return optimizer
+
+    def forward_backward(self, x, y, sync):
+        """One micro-step as M micro-batches through this rank's actions: its loss on the last
+        rank, else 0."""
+        loss = self.run(self.program, x.chunk(self.M), y.chunk(self.M))
+        if sync:  # else the tied gradient waits for the last micro-step (gradient accumulation)
+            self.sum_tied_gradient()
+        return loss
+
+    def run(self, program, xs, ys):
+        """Runs `program` (see p2p_program) over the micro-batches xs[i], ys[i]; returns the mean of
+        their losses on the last stage, 0 elsewhere. Without grad (evaluation): a program of
+        forwards only."""
+        rank, last = self.rank, self.n_stages - 1
+        A = self.args.grad_accum_steps
+        vocab_parallel = self.args.vocab_parallel
+        shape = (*xs[0].shape, self.config.n_embd)  # never exchanged; fp32 under bf16 autocast too
+        stash = {}  # (micro-batch, chunk): the input and the output's autograd edge, until B
+        inbox = {}  # received tensors, by message name
+        loss_sum = torch.zeros((), device=self.device)
+        for action, exchange in program:
+            if action is not None:
+                op, mb, chunk = action
+                stage = self.stage_of(chunk)  # this chunk's global stage
+                if op == "F":  # the input: token ids on stage 0, else the previous stage's output
+                    if stage == 0:
+                        inp = xs[mb]
+                    else:
+                        inp = inbox.pop(("F", mb, stage - 1))
+                        inp.requires_grad_(torch.is_grad_enabled())
+                    with timers("compute", label=action), autocast(self.args, self.device):
+                        out = self.chunks[chunk](inp, ys[mb])  # the last stage: the mean loss
+                    if stage == last and not vocab_parallel:
+                        loss_sum += out.detach() / len(xs)
+                        out = out / (len(xs) * A)  # a micro-batch is 1/(M*A) of the step
+                    if torch.is_grad_enabled():
+                        # Keep the input (its gradient goes back) and the output's autograd edge
+                        # only: the output is freed once sent (the ops after it saved their inputs).
+                        stash[(mb, chunk)] = (inp, get_gradient_edge(out))
+                    result = out.detach()
+                    if stage == last and vocab_parallel:  # for the vocabulary pass: as if sent
+                        inbox[("F", mb, stage)] = result
+                elif op == "L":  # every rank: the logits of my vocabulary rows, loss, d(loss)/dh
+                    if rank == self.loss_rank:
+                        h = inbox.pop(("F", mb, last))
+                    else:
+                        h = torch.empty(shape, device=self.device)
+                    # 4*rows*T*C bytes from the last stage to every rank; outside the compute time:
+                    # a rank waits here until all have come (the pass is a rendezvous of all ranks)
+                    dist.broadcast(h, src=self.loss_rank, group=self.vocab_group)
+                    head = self.chunks[0].lm_head
+                    vocab_start = self.head_rows(rank).start
+                    scale = 1 / (len(xs) * A)
+                    cast = autocast(self.args, self.device)
+                    with timers("compute", label=action):
+                        loss, dh = vocab_pass(h, ys[mb], head, vocab_start, self.loss_rank,
+                                              self.vocab_group, scale, cast)
+                    if rank == self.loss_rank:  # dh: for the last stage's B, as if sent to it
+                        loss_sum += loss / len(xs)
+                        inbox[("B", mb, last + 1)] = dh
+                else:  # B: from the gradient of our output (none on the last stage: its loss)
+                    inp, edge = stash.pop((mb, chunk))
+                    grad_out = None
+                    if stage != last or vocab_parallel:
+                        grad_out = inbox.pop(("B", mb, stage + 1))  # sent by the next stage
+                    with timers("compute", label=action):
+                        torch.autograd.backward(edge, grad_out)
+                    result = inp.grad  # d(loss)/d(our input), for the previous stage
+                    del inp, edge, grad_out
+            # This step's messages, 4*rows*T*C bytes each: our result to the next rank (F) or the
+            # previous (B), and what they sent us in this step, as one batch, waited here (see
+            # p2p_program).
+            ops = []
+            for peer, is_send, name in exchange:
+                if is_send:
+                    ops.append(dist.P2POp(dist.isend, result, peer, self.p2p_group))
+                else:
+                    inbox[name] = torch.empty(shape, device=self.device)
+                    ops.append(dist.P2POp(dist.irecv, inbox[name], peer, self.p2p_group))
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+        return loss_sum
+
+    @torch.no_grad()
+    def eval_loss(self, x, y):
+        """Forwards only through the pipeline: the loss on the last rank, 0 elsewhere."""
+        self.chunks.eval()
+        loss = self.run(self.eval_program, x.chunk(self.M), y.chunk(self.M))
+        self.chunks.train()
+        return loss
+
+    def sum_tied_gradient(self):
+        """wte (rank 0) and its copies, lm_head on the last rank (or, with --vocab_parallel, its
+        rows head_rows(r) on every rank r), each got one part of the tied gradient, the lookup's
+        and the head's. Rank 0 and each rank r sum the rows of r (4*rows*C fp32 bytes each way;
+        rank 0's own rows: locally): after the sum both hold those rows' full tied gradient, take
+        identical AdamW steps and stay equal without ever sending the weight."""
+        if self.pp_size == 1:  # one rank: the tie is one tensor already
+            return
+        heads = [chunk.lm_head.weight for chunk in self.chunks if hasattr(chunk, "lm_head")]
+        head = heads[0] if heads else None
+        if self.rank == 0:
+            wte_grad = self.chunks[0].transformer.wte.weight.grad
+            if head is not None:  # my rows of lm_head
+                wte_grad[self.head_rows(0)] += head.grad
+                head.grad.copy_(wte_grad[self.head_rows(0)])
+            for other, group in self.tied_groups.items():
+                dist.all_reduce(wte_grad[self.head_rows(other)], group=group)
+        elif self.rank in self.tied_groups:
+            dist.all_reduce(head.grad, group=self.tied_groups[self.rank])
+
+    def clip_grad_norm_(self, max_norm):
+        # Each rank holds its own stages' gradients: their squares are summed over all ranks (4
+        # bytes). The copy of wte (lm_head) is left out so the tied weight counts once, but clipped.
+        named = self.named_parameters()
+        grads = [q.grad for n, q in named if n != "lm_head.weight"]
+        norm = clip_grad_norm_(grads, [], 0)  # 0: only measure
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_([q for _, q in named], max_norm, norm)
+        return norm
+
+    def full_state(self, optimizer):
+        return gather_full_state(self, optimizer)  # checkpoint plumbing: after main()
+
+    def describe(self):
+        plan = stage_plan(self.config, self.args, self.pp_size, self.rank_of)
+        return (f"{self.args.schedule} schedule, {self.M} micro-batches a micro-step; "
+                f"estimated GFLOP a step (forward + backward):" + plan)
+
+
+class TorchPipeline(peers.torch_pp.TorchPipeline, Pipeline):
+    """--implementation pytorch: torch.distributed.pipelining's stages and schedules in place of the
+    send/recv executor (peers/torch_pp.py); the other methods are Pipeline's."""
+
+
+def add_pp_flags(group):
+    group.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", *ZERO_BUBBLE],
+                       default="1f1b")
+    group.add_argument("--n_microbatches", type=int, default=4, help="micro-batches per micro-step")
+    group.add_argument("--virtual_stages", type=int, default=None,
+                       help="chunks per rank, interleaved only (default 2)")
+    group.add_argument("--stage_layers", default=None,
+                       help="blocks per stage, e.g. 3,1: one entry per stage (ranks x virtual "
+                            "stages); default even")
+    add_bool(group, "--vocab_parallel", False,
+             "custom only: lm_head and the loss split by vocabulary over all ranks")
+    add_bool(group, "--print_schedule", False,
+             "custom only: time every step; print the last one's timeline and the bubble")
+
+
+def check_pp_args(args, world_size):
+    """Bad input ends every rank with one line, before anything is built. Returns the DP size: 1."""
+    pp_size = world_size  # n_chunks stages per rank; every rank runs every row: no data parallelism
+    if args.schedule in ZERO_BUBBLE:
+        die(f"--schedule {args.schedule}: the zero-bubble schedules are in pp_zb_train.py")
+    if args.virtual_stages is not None and args.schedule != "interleaved":
+        die(f"--virtual_stages: only with --schedule interleaved (got --schedule {args.schedule})")
+    if args.print_schedule and args.implementation != "custom":  # torch's schedules: no timeline
+        die("--print_schedule: true is only supported by --implementation custom")
+    if args.virtual_stages is None:
+        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
+    n_chunks = args.virtual_stages
+    if n_chunks <= 0:
+        die("--virtual_stages: must be > 0")
+    if args.n_microbatches <= 0:
+        die("--n_microbatches: must be > 0")
+    if pp_size == 1 and args.schedule == "interleaved":  # chunk 0 would send to its own chunk 1
+        die("--schedule: interleaved needs at least 2 ranks "
+            "(run under torchrun --nproc_per_node >= 2)")
+    n_stages = pp_size * n_chunks
+    if args.stage_layers is None:
+        if args.n_layer % n_stages:
+            die(f"--n_layer: {args.n_layer} layers must be divisible by stages ({pp_size} ranks) x "
+                f"--virtual_stages ({n_chunks}), or give --stage_layers")
+        args.stage_layers = [args.n_layer // n_stages] * n_stages
+    else:
+        try:
+            args.stage_layers = [int(blocks) for blocks in args.stage_layers.split(",")]
+        except ValueError:
+            die(f"--stage_layers: a comma-separated list of integers, got {args.stage_layers!r}")
+        if len(args.stage_layers) != n_stages:
+            die(f"--stage_layers: {len(args.stage_layers)} entries for {n_stages} stages "
+                f"({pp_size} ranks x --virtual_stages {n_chunks})")
+        if min(args.stage_layers) < 1 or sum(args.stage_layers) != args.n_layer:
+            die(f"--stage_layers: every stage needs >= 1 block and they must sum to --n_layer "
+                f"({args.n_layer}), got {args.stage_layers}")
+    if args.vocab_parallel and (args.implementation != "custom" or pp_size == 1):
+        die("--vocab_parallel: true needs --implementation custom and at least 2 ranks")
+    if args.vocab_parallel and args.vocab_size % pp_size:
+        die(f"--vocab_parallel: --vocab_size ({args.vocab_size}) must be divisible by the number "
+            f"of ranks ({pp_size})")
+    check_batch_split(args, 1)
+    rows = args.batch_size // args.grad_accum_steps  # per micro-step
+    if rows % args.n_microbatches:
+        die(f"--n_microbatches: {rows} rows per micro-step (--batch_size / --grad_accum_steps) "
+            f"must be divisible by --n_microbatches ({args.n_microbatches})")
+    if args.schedule == "interleaved" and args.n_microbatches % pp_size:
+        die(f"--n_microbatches: must be a multiple of the number of ranks ({pp_size}) for "
+            "--schedule interleaved")
+    peers.torch_pp.check_args(args)  # what torch's pipelining needs: its torch versions
+    return 1
+
+
+# ---- training ----------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args("pp", add_pp_flags, argv)
+    D = check_pp_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    rank, world_size, device = setup(args)
+    setup_data(args)
+    ckpt = resume(args)  # None, or a full checkpoint written by any script at any world size
+    config = gpt_config(args)
+    B, T, A = args.batch_size, args.block_size, args.grad_accum_steps
+    dp_rank = rank * D // world_size
+    rows = B // D  # rows per data-parallel rank
+    micro = rows // A  # rows per micro-step
+    mine = slice(dp_rank * rows, (dp_rank + 1) * rows)  # this rank's rows of every global batch
+
+    Strategy = Pipeline if args.implementation == "custom" else TorchPipeline
+    model = Strategy(config, args, device, ckpt and ckpt["model"])
+    optimizer = model.configure_optimizer(args, ckpt and ckpt["optimizer"])
+    start = ckpt["step"] if ckpt else 0
+    mfu = MFU(config, args, device, world_size)  # model FLOPs utilisation, per log line
+    metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start, mfu=mfu)
+    if rank == 0:
+        print(f"pp ({args.implementation}): {world_size} rank(s) on {device} in {args.dtype}; "
+              f"global batch {B} x {T} tokens, {A} micro-step(s) of {micro} rows; "
+              f"{model.describe()}", flush=True)
+
+    @torch.no_grad()
+    def evaluate():
+        """Mean loss over eval_iters fixed batches per split, forwards only through the pipeline:
+        the last stage computes it and broadcasts it to every rank."""
+        out = {}
+        for split in ("train", "val"):
+            total = torch.zeros((), device=device)
+            for i in range(args.eval_iters):
+                x, y = get_batch(split, i, B, T, args.seed + 1, args.dataset)
+                x, y = x[mine].to(device), y[mine].to(device)
+                total += model.eval_loss(x, y)
+            dist.broadcast(total, src=model.loss_rank)  # 4 bytes from the last stage to every rank
+            out[split] = total.item() / args.eval_iters
+        return out
+
+    # ---- training loop -------------------------------------------------------------------
+    profiler = Profiler(args, rank)
+    schedule_report = ScheduleReport(args, model)  # --print_schedule's timeline; live activations
+    batches = Batches(args, mine, device)  # the training batches, one step ahead
+    for step in range(start, args.max_iters):
+        if args.eval_interval and step % args.eval_interval == 0:
+            metrics.eval(step, evaluate())
+        schedule_report.start_step()
+        t0 = time.perf_counter()
+        lr = get_lr(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = batches.get(step)  # this rank's rows, on the device
+        loss_sum = torch.zeros((), device=device)
+        for j in range(A):  # gradients are synchronised on the last micro-step only
+            part = slice(j * micro, (j + 1) * micro)
+            loss_sum += model.forward_backward(x[part], y[part], sync=j == A - 1)
+        batches.prefetch(step + 1)  # built and copied while the device runs this step
+        # Logged loss: the mean over all B*T tokens of the global batch (equal chunks: mean of
+        # means).
+        loss_sum /= A
+        dist.broadcast(loss_sum, src=model.loss_rank)  # the last stage's: 4 bytes to every rank
+        norm = model.clip_grad_norm_(args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # zero in place: gradients that are views stay views
+        loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step's one host sync
+        dt = time.perf_counter() - t0  # the step's kernels have run
+        metrics.step(step, loss, lr, norm, B * T, dt, device, args.log_interval)
+        profiler.step()
+        schedule_report.end_step()
+        if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
+            checkpoint(step + 1, model, optimizer, config, args)
+    profiler.stop()
+
+    if args.eval_interval:
+        metrics.eval(args.max_iters, evaluate())
+    checkpoint(args.max_iters, model, optimizer, config, args)
+    metrics.summary(model_state_bytes(optimizer), device, **schedule_report.summary())
+    metrics.close()
+
+
+# ---- checkpoint: the stages' tensors gathered into one full checkpoint ---------------------
+
+def gather_full_state(pipe, optimizer):
+    """The full checkpoint's dicts, by GPT name, in rank 0's CPU memory (None elsewhere): every rank
+    sends its parameters and their AdamW state to rank 0, one message a tensor (gather_to_rank0).
+    The copy of wte (lm_head) stays: lm_head.weight is written from wte, as in a tied GPT."""
+    entries = []
+    for name, q in pipe.named_parameters():
+        if name == "lm_head.weight":
+            continue
+        values = {"param": q.detach(), **optimizer.state.get(q, {})}  # step: a CPU tensor
+        for key, value in values.items():
+            value = value.to(pipe.device)
+            entries.append((name, key, value.shape, value.dtype, lambda value=value: value))
+    return gather_to_rank0(entries, True, pipe.config, pipe.device)
+
+
+if __name__ == "__main__":
+    main()
+    teardown()  # after main() has returned and its objects are gone
