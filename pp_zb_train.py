@@ -545,7 +545,7 @@ class Pipeline:
         tied gradient, the lookup's and the head's. The two ranks sum them (4*vocab*C fp32 bytes
         each way; in a V, rank 0 holds both: locally): after the sum both hold the full tied
         gradient, take identical AdamW steps and stay equal without ever sending the weight."""
-        if self.pp_size == 1:  # one rank: the tie is one tensor already
+        if len(self.chunks) == 1 == self.pp_size:  # one rank, one chunk: the tie is one tensor
             return
         if self.rank == 0 and self.loss_rank == 0:  # zbv: wte on chunk 0, lm_head on chunk 1
             wte, head = self.chunks[0].transformer.wte.weight, self.chunks[-1].lm_head.weight

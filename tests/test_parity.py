@@ -125,6 +125,8 @@ AS_USERS_TORCH = {
     ("zero3_train.py", "custom", 2, ("--stage", "1")),  # OwnedAdamW
     ("zero3_train.py", "pytorch", 2, ("--stage", "1", "--grad_accum_steps", "2")),  # inside ZeroRedundancyOptimizer
     ("zero3_train.py", "custom", 2, ("--stage", "2")),
+    ("zero3_tuning_train.py", "custom", 4, ("--persistence_threshold", "1024", "--grad_accum_steps", "2",
+                                            "--prefetch", "false")),  # its persistent tensors' all-reduce
     ("tp_train.py", "custom", 2, ()),
     ("tp_overlap_train.py", "custom", 2, ()),  # as tp_train.py's row, which it is compared with
     ("tp_train.py", "pytorch", 2, ()),  # without SP its LayerNorms and wpe were plain tensors: foreach refused them
