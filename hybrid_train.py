@@ -4,13 +4,11 @@ The N ranks form a grid, ranks = arange(N).view(dp, pp, cp, tp): each axis is a 
 the ranks that differ in that coordinate only. TP varies fastest (tp consecutive ranks, one node's
 fast links: it talks in every block), then CP, PP, and DP outermost, across nodes, once a step
 (torchtitan's and Megatron's order). Each part is its script's, shortened; read the lesson there:
-  TP (tp_train.py)   Megatron's f and g around each block's column- and row-parallel linears; the
-                     embedding and the tied head split by vocabulary, and the loss computed from
-                     the logit slices. --sequence_parallel: the activations between the linears
-                     split by sequence.
-  CP (cp_train.py)   each CP rank holds T/cp positions of every row (zigzag: chunks r and 2cp-1-r)
-                     and attention passes K, V round a ring. It runs inside a TP rank's heads: the
-                     ring carries those heads' K, V only (fp32 math, or CUDA's flash kernel).
+  TP (tp_train.py)   Megatron's f and g around the column- and row-parallel linears; embedding,
+                     tied head and loss split by vocabulary. --sequence_parallel: the activations
+                     between the linears split by sequence.
+  CP (cp_train.py)   each CP rank holds T/cp positions of every row (zigzag: chunks r and 2cp-1-r);
+                     attention passes K, V round a ring, those of a TP rank's heads only.
   PP (pp_train.py)   the blocks cut into pp stages, run by 1F1B over --n_microbatches. A message
                      is this rank's piece of the activation, its T/cp positions (with SP 1/tp of
                      those), sent to the same (dp, cp, tp) place on the next stage.
@@ -100,8 +98,7 @@ def tied_pairs(grid):
 
 
 def grid_error(sizes, world_size):
-    """None, or the one line that says why the sizes {axis: size or None} make no grid of
-    `world_size` ranks. A missing data-parallel size is what the others leave."""
+    """None, or why the sizes {axis: size or None} make no grid of `world_size` (dp: the rest)."""
     flags = dict(dp="--data_parallel_size", tp="--tensor_parallel_size",
                  pp="--pipeline_parallel_size", cp="--context_parallel_size")
     for axis in AXES:
@@ -111,23 +108,20 @@ def grid_error(sizes, world_size):
     dp = sizes["dp"] or world_size // model
     if dp * model != world_size or dp == 0:
         shape = " x ".join(f"{flags[a]} {sizes[a] or 1}" for a in ("tp", "pp", "cp"))
-        return (f"--data_parallel_size: {dp} x {shape} must equal the world size "
-                f"({world_size})")
+        return f"--data_parallel_size: {dp} x {shape} must equal the world size ({world_size})"
     return None
 
 
 class Grid:
-    """This rank's coordinates and the process groups of GROUPS, plus the pp-ends group. Every
-    rank creates every group, in the same order (a rule of new_group), each with --timeout_s (a
-    new group's own default is 30 minutes, not the default group's)."""
+    """This rank's coordinates, GROUPS' process groups and the pp-ends group. Every rank creates
+    every group in the same order (new_group's rule), each with --timeout_s (not 30 minutes)."""
     def __init__(self, dp, pp, cp, tp, timeout):
         self.ranks = rank_grid(dp, pp, cp, tp)
         self.size = dict(zip(AXES, (dp, pp, cp, tp)))
         self.coords = coordinates(self.ranks, dist.get_rank())
         self.groups = {}
-        # nccl: each group connects here, its ranks joining (new_group inherits setup's device_id),
-        # so the pp group's first batch_isend_irecv may be stages 0 and 1 alone (more than 2);
-        # a lazily connected group would need every rank in that first call.
+        # nccl: each group connects here (new_group inherits setup's device_id), so the pp group's
+        # first batch_isend_irecv may be stages 0 and 1 alone; a lazy one would need every rank.
         for axes in GROUPS:
             groups = axis_groups(self.ranks, axes)
             self.groups[axes], _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
@@ -215,12 +209,8 @@ class ReduceFromTP(torch.autograd.Function):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from (N, vocab/tp) logit slices in their own dtype (bf16 under
-    autocast), one per rank of `group`: loss = log(sum_v exp(z_v - m)) - (z_t - m) with m
-    the global max, from one all-reduce (MAX) of N numbers and one (SUM) of 2N: each slice's sum
-    of exp and the target's logit, which lives in one slice only. fp32 only 1024 rows at a
-    time (LOSS_CHUNK_ROWS): no fp32 copy of the slice exists. Backward needs no communication:
-    d loss / d z = softmax - onehot(t), recomputed a chunk at a time from the saved logits."""
+    """Per-token cross-entropy from (N, vocab/tp) logit slices, one per rank of `group`, as
+    tp_train.py teaches it: log(sum_v exp(z_v - m)) - (z_t - m), m the global max."""
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
         m = logits.amax(dim=-1).float()  # (N,): exact in any dtype
@@ -241,8 +231,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         logits, m, sum_exp, local, mine = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
-        # g (softmax - onehot), g a row's upstream gradient: |g| softmax = exp(z - m - log(sum_exp)
-        # + log|g|), one exp per chunk written straight in the logits' dtype (3 passes, not 5)
+        # g (softmax - onehot), g a row's upstream gradient, |g| folded into the exp (3 passes)
         shift = m + sum_exp.log() - grad.abs().log()  # (N,) fp32; g = 0: +inf, a row of zeros
         for start in range(0, logits.size(0), LOSS_CHUNK_ROWS):
             rows = slice(start, start + LOSS_CHUNK_ROWS)
@@ -291,8 +280,7 @@ class ParallelLinear(nn.Module):
             self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features))
         else:
             self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
-        shape = self.weight.shape
-        self.bias = nn.Parameter(torch.empty(shape[0])) if bias else None
+        self.bias = nn.Parameter(torch.empty(self.weight.size(0))) if bias else None
 
     def forward(self, x):
         if self.column:
@@ -350,11 +338,8 @@ class CPGroup:
 
 
 def block_forward(q, kv, window, out, lse, scale):
-    """Attends my queries to one key block and merges the result into out, lse in place (lse = log
-    sum exp of the scores: two blocks' softmaxes merge exactly by it); returns what the flash
-    kernel's backward wants back. q: (b, nh/tp, T/cp, hs); out: the same in fp32; kv: (2, b,
-    nh/tp, T/cp, hs); lse: (b, nh/tp, T/cp, 1). fp32 math, or on CUDA in bf16 the flash kernel
-    (common/flash.py), as cp_train.py."""
+    """Attends my queries to one key block, merged into out, lse in place, as cp_train.py; returns
+    what flash's backward wants. q: (b, nh/tp, T/cp, hs); out: fp32 q; kv: (2,) + q's shape."""
     first, keys, mask = window
     if keys == 0 or first == q.size(-2):
         return None
@@ -377,9 +362,8 @@ def block_forward(q, kv, window, out, lse, scale):
 
 
 def block_backward(q, kv, window, dout, out, lse, dq, scale, rest):
-    """Adds this key block's part of dq in place; returns its [dK; dV]. exp(s - lse) with the final
-    lse is the block's share of the whole softmax, so no merging is needed. rest: what
-    block_forward returned for this block."""
+    """Adds this key block's part of dq in place; returns its [dK; dV] (the final lse: no merging).
+    rest: what block_forward returned for this block."""
     first, keys, mask = window
     dkv = torch.zeros(kv.shape, device=q.device)  # (2, b, nh/tp, T/cp, hs)
     if keys == 0 or first == q.size(-2):
@@ -406,8 +390,7 @@ def block_backward(q, kv, window, dout, out, lse, dq, scale, rest):
 
 
 def pass_to_next(tensor, cp):
-    """tensor to the next CP rank, the previous one's received, in one batch_isend_irecv (under
-    NCCL a send may wait for its receive: every rank posts both together)."""
+    """tensor to the next CP rank, the previous one's received: posted together, as NCCL needs."""
     received = torch.empty_like(tensor)
     ops = [dist.P2POp(dist.isend, tensor, cp.next, cp.group),
            dist.P2POp(dist.irecv, received, cp.prev, cp.group)]
@@ -429,13 +412,11 @@ class RingAttention(torch.autograd.Function):
         scale = q.size(-1) ** -0.5
         ctx.cp, ctx.rests = cp, []  # rests: what each step's flash kernel wants back
         for i in range(cp.size):  # step i: the block of CP rank - i; the next one on the wire
-            if i < cp.size - 1:
-                received, works = pass_to_next(kv, cp)
+            received, works = pass_to_next(kv, cp) if i < cp.size - 1 else (kv, [])  # last: none
             window = cp.windows[(cp.rank - i) % cp.size]
             ctx.rests.append(block_forward(q, kv, window, out, lse, scale))
-            if i < cp.size - 1:
-                wait(works)
-                kv = received
+            wait(works)
+            kv = received
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
 
@@ -447,11 +428,9 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=torch.float32)
         scale = q.size(-1) ** -0.5
         my_dkv = carried = None
-        # Block j's dK, dV accumulator starts on rank j+1 and follows the block round the ring,
-        # each rank adding its queries' share, until rank j-1 hands it to j, who adds its own.
+        # Block j's dK, dV accumulator follows it round the ring from rank j+1 back to j.
         for i in range(cp.size):
-            if i < cp.size - 1:
-                received, works = pass_to_next(kv, cp)
+            received, works = pass_to_next(kv, cp) if i < cp.size - 1 else (kv, [])
             if i >= 2:
                 carried_in, carried_works = pass_to_next(carried, cp)
             window = cp.windows[(cp.rank - i) % cp.size]
@@ -460,13 +439,10 @@ class RingAttention(torch.autograd.Function):
                 wait(carried_works)
             if i == 0:
                 my_dkv = dkv
-            elif i == 1:
-                carried = dkv
             else:
-                carried = carried_in + dkv
-            if i < cp.size - 1:
-                wait(works)
-                kv = received
+                carried = dkv if i == 1 else carried_in + dkv
+            wait(works)
+            kv = received
         carried_in, works = pass_to_next(carried, cp)  # my block's accumulator, from rank + 1
         wait(works)
         my_dkv += carried_in
@@ -489,12 +465,9 @@ class HybridAttention(nn.Module):
     def forward(self, x):  # (b, T/cp, C), or (b, T/cp/tp, C) with SP
         qkv = self.c_attn(x)  # (b, T/cp, 3C/tp): my heads' q, k, v at my CP positions
         b, L, _ = qkv.shape
-        q, k, v = qkv.chunk(3, dim=2)
-        q = q.view(b, L, self.n_head, -1).transpose(1, 2)  # (b, nh/tp, T/cp, hs)
-        k = k.view(b, L, self.n_head, -1).transpose(1, 2)  # (b, nh/tp, T/cp, hs)
-        v = v.view(b, L, self.n_head, -1).transpose(1, 2)  # (b, nh/tp, T/cp, hs)
-        y = self.attend(q, k, v)
-        y = y.transpose(1, 2).reshape(b, L, -1)  # (b, T/cp, C/tp)
+        # q, k, v: (b, nh/tp, T/cp, hs) each
+        q, k, v = (t.view(b, L, self.n_head, -1).transpose(1, 2) for t in qkv.chunk(3, dim=2))
+        y = self.attend(q, k, v).transpose(1, 2).reshape(b, L, -1)  # (b, T/cp, C/tp)
         return self.resid_dropout(self.c_proj(y))
 
     def attend(self, q, k, v):
@@ -506,10 +479,8 @@ class HybridAttention(nn.Module):
 
 
 class StageGPT(nn.Module):
-    """Pipeline stage `stage` of GPT with its blocks (GPT's names: transformer.h.3, ...), wte/wpe on
-    the first stage, ln_f and the head on the last. Linears and embeddings are this TP rank's
-    shards of init_tensor's value or of the full state_dict `state`. The head is wte itself on a
-    single stage, else `lm_head`: a copy of this TP rank's wte rows."""
+    """Pipeline stage `stage` of GPT (GPT's names), wte/wpe first, ln_f and the head last: this TP
+    rank's shards of init_tensor's values or of `state`. The head: wte, or with pp > 1 lm_head."""
     def __init__(self, tp, cp, config, stage, n_stages, seed, device, state=None):
         super().__init__()
         self.tp, self.cp = tp, cp
@@ -539,10 +510,8 @@ class StageGPT(nn.Module):
         with torch.no_grad():  # one full tensor at a time, keeping this rank's slice
             for name, p in self.named_parameters():
                 name = WTE_NAME if name == "lm_head.weight" else name  # the copy starts as wte
-                if state is not None:
-                    value = state[name]
-                else:
-                    value = init_tensor(name, full_shapes[name].shape, config, seed)
+                shape = full_shapes[name].shape
+                value = state[name] if state is not None else init_tensor(name, shape, config, seed)
                 p.copy_(shard(name, value, tp.rank, tp.size))
         # with SP the replicated parameters see this rank's sequence shard: partial gradients
         replicated = [p for n, p in self.named_parameters() if shard_dim(n) is None]
@@ -552,9 +521,8 @@ class StageGPT(nn.Module):
         return self.lm_head.weight if hasattr(self, "lm_head") else self.transformer.wte.weight
 
     def forward(self, x, targets, pos):
-        """x: token ids on the first stage, else the stage before's output; pos: the positions of
-        my tokens (with SP my TP rank's share of my CP positions). Returns the output, or on the
-        last stage the mean loss over my tokens."""
+        """x: token ids on the first stage, else the stage before's output; pos: my tokens'
+        positions. Returns the output, or on the last stage the mean loss over my tokens."""
         if self.first:  # (b, T/cp, C), with SP reduce-scattered to (b, T/cp/tp, C)
             x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
         for block in self.transformer.h.values():
@@ -563,20 +531,16 @@ class StageGPT(nn.Module):
             return x
         x = self.transformer.ln_f(x)
         logits = F.linear(CopyToTP.apply(x, self.tp), self.head())  # (b, T/cp, vocab/tp)
-        flat_logits = logits.flatten(0, 1)
-        losses = VocabParallelCrossEntropy.apply(flat_logits, targets.flatten(), self.vocab_start,
-                                                 self.tp.group)
-        return losses.mean()
+        flat_logits = logits.flatten(0, 1)  # (b*T/cp, vocab/tp)
+        return VocabParallelCrossEntropy.apply(flat_logits, targets.flatten(), self.vocab_start,
+                                               self.tp.group).mean()
 
 
 # ---- DP: gradient buckets, all-reduced over dp x cp during the last backward (ddp_train.py) ----
 
 class GradientBuckets:
-    """DP over dp x cp: flat buffers that the parameters' .grad are views of, so autograd
-    accumulates into them over micro-batches and micro-steps (which send nothing), all-reduced
-    after the step's last backward: one async all-reduce a bucket of bucket_cap_mb, waited
-    together. ddp_train.py starts each bucket from a hook inside backward; under a pipeline only
-    the last micro-batch's backward could hide them."""
+    """DP over dp x cp: flat buffers that the .grads are views of, all-reduced (async, a bucket of
+    bucket_cap_mb each) after the step's last backward; under 1F1B a hook would hide little."""
     def __init__(self, params, bucket_cap_mb, group):
         self.group, self.buffers = group, []
         bucket, size = [], 0
@@ -592,8 +556,7 @@ class GradientBuckets:
                 size += 4 * p.numel()
 
     def all_reduce(self):
-        # numel x 4 bytes a bucket; every rank divided its loss by the group's size: the sum is
-        # the mean
+        # numel x 4 bytes a bucket; each rank's loss was divided by the group size: sum = mean
         wait([dist.all_reduce(buffer, group=self.group, async_op=True) for buffer in self.buffers])
 
 
@@ -608,8 +571,7 @@ def all_reduce_grads(grads, group):
 # ---- the strategy behind the loop's methods: the grid, the stage, 1F1B --------------------------
 
 class Hybrid:
-    """This rank's stage on its grid place: a TP shard of its blocks, its CP positions, its DP rows,
-    run through 1F1B with the neighbouring stages."""
+    """This rank's grid place: a TP shard of a stage's blocks, its CP positions, its DP rows."""
 
     def __init__(self, config, args, device, state=None):
         self.config, self.args, self.device = config, args, device
@@ -623,8 +585,7 @@ class Hybrid:
         self.M = args.n_microbatches
         stage, n_stages = self.grid.coords["pp"], self.grid.size["pp"]
         self.model = StageGPT(self.tp, self.cp, config, stage, n_stages, args.seed, device, state)
-        # --compile: each block's forward between its collectives: the parallel linears (f, g)
-        # and the attention core (the CP ring) run eagerly, the rest of the block is compiled
+        # --compile: the block between its collectives; f, g and the CP ring run eagerly
         blocks = self.model.transformer.h.values()
         compile_forward(blocks, args.compile, BLOCK_LINEARS + ("attn.attend",))
         # full: a block's recompute runs its f, g and the CP ring again, at the B of its micro-batch
@@ -653,10 +614,8 @@ class Hybrid:
 
     def exchange(self, send_forward=None, send_backward=None, recv_forward=False,
                  recv_backward=False, shape=None):
-        """One batch of pipeline messages with the neighbouring stages, posted together and waited
-        (Megatron's p2p ops: under NCCL a send may wait for its receive, and two neighbours that
-        both sent first would wait forever). Each is b x T/cp x C numbers (/tp with SP): an output
-        to the next stage, an input's gradient to the one before. Returns what was received."""
+        """b x T/cp x C numbers (SP: /tp) each: an output to the next stage, an input's gradient to
+        the one before, posted together (NCCL: a send may wait for its receive)."""
         group, ops, received = self.grid.group("pp"), [], [None, None]
         for tensor, peer in ((send_forward, self.next_stage), (send_backward, self.prev_stage)):
             if tensor is not None and peer is not None:
@@ -680,15 +639,11 @@ class Hybrid:
         return loss
 
     def one_f_one_b(self, x, y, n_warmup):
-        """M micro-batches of my rows at my positions through this stage by 1F1B (Megatron's
-        schedule without interleaving): n_warmup forwards (pp-1-s: what can be in flight below
-        me), then one forward one backward, then the remaining backwards. n_warmup = M: forwards
-        only (evaluation). Returns the mean loss on the last stage, else 0."""
+        """M micro-batches through this stage by 1F1B, as pp_train.py: n_warmup forwards (M: only
+        forwards, evaluation), one forward one backward, then backwards. Returns the loss."""
         xs, ys = x[:, self.cp.mine].chunk(self.M), y[:, self.cp.mine].chunk(self.M)
         shape = (xs[0].size(0), len(self.pos), self.config.n_embd)
-        # Each micro-batch is 1/(M*A) of my rows, and each of the dp*cp ranks that the buckets sum
-        # over holds an equal share of the tokens: the loss divided by all three, their sum is the
-        # mean
+        # a micro-batch is 1/(M*A) of my rows, the dp*cp ranks summed hold equal shares: sum = mean
         scale = 1 / (self.M * self.args.grad_accum_steps * dist.get_world_size(self.dp_cp_group))
         stash = []  # (input, output) of each micro-batch between its F and its B
         loss_sum = torch.zeros((), device=self.device)
@@ -729,9 +684,8 @@ class Hybrid:
         return loss_sum
 
     def finish_gradients(self):
-        """After the buckets' all-reduce (the mean over dp x cp): with SP the replicated
-        parameters' partial gradients summed over TP; the tied wte/lm_head's two parts summed by
-        the ends of the pipeline, which then take identical AdamW steps."""
+        """After the buckets: with SP the replicated parameters' partial gradients summed over TP;
+        the tied wte/lm_head summed by the pipeline's ends, which then take identical steps."""
         if self.model.sequence_parallel_params:
             all_reduce_grads([p.grad for p in self.model.sequence_parallel_params], self.tp.group)
         if self.grid.tied_group is not None and (self.model.first or self.model.last):
@@ -745,9 +699,8 @@ class Hybrid:
         return loss
 
     def clip_grad_norm_(self, max_norm):
-        # Squares summed over the stages and the TP shards, the (pp, tp) group; over dp x cp the
-        # gradients are equal already. A TP-replicated gradient counts on TP rank 0 only, the
-        # head's copy of wte never; every gradient is clipped.
+        # Squares summed over (pp, tp) (equal over dp x cp): a TP-replicated gradient on TP rank 0
+        # only, the head's copy of wte never; every gradient is clipped.
         named = list(self.model.named_parameters())
         counted = [p.grad for n, p in named if n != "lm_head.weight"
                    and (shard_dim(n) is not None or self.tp.rank == 0)]
@@ -780,9 +733,8 @@ class Hybrid:
 
 
 class TorchHybrid(peers.torch_hybrid.TorchHybrid, Hybrid):
-    """--implementation pytorch: a DeviceMesh of the same axes, DTensor's parallelize_module and
-    torch's pipelining (peers/torch_hybrid.py); the other methods (describe, full_state) are
-    Hybrid's."""
+    """--implementation pytorch: the same grid by DeviceMesh, DTensor and torch's pipelining
+    (peers/torch_hybrid.py); describe and full_state are Hybrid's."""
 
 
 def add_hybrid_flags(group):
@@ -800,8 +752,7 @@ def add_hybrid_flags(group):
 
 
 def check_hybrid_args(args, world_size):
-    """Bad input ends every rank with one line, before anything is built. Fills in the four sizes;
-    returns the data-parallel size."""
+    """Bad input: one line, before anything is built. Fills in the four sizes; returns dp."""
     sizes = dict(dp=args.data_parallel_size, tp=args.tensor_parallel_size,
                  pp=args.pipeline_parallel_size, cp=args.context_parallel_size)
     error = grid_error(sizes, world_size)
@@ -866,9 +817,7 @@ def main(argv=None):
 
     @torch.no_grad()
     def evaluate():
-        """Mean loss over eval_iters fixed batches per split: the last stage's ranks hold the mean
-        over their tokens (equal counts), every other rank 0; the sum over all ranks, divided by
-        the number of last-stage ranks, is the mean over the batch."""
+        """Mean loss over eval_iters fixed batches per split, combined as the logged loss below."""
         out = {}
         for split in ("train", "val"):
             total = torch.zeros((), device=device)
@@ -921,10 +870,8 @@ def main(argv=None):
 # ---- checkpoint: the grid's tensors gathered into one full checkpoint ----------------------
 
 def gather_full_state(hybrid, optimizer):
-    """The full checkpoint's dicts, by GPT name, in rank 0's CPU memory (None elsewhere). Stage s
-    lives whole on the ranks (dp 0, s, cp 0, every tp): each of its tensors is all-gathered from
-    that TP group, and its TP rank 0 sends it to rank 0, one at a time (gather_to_rank0). The
-    head's copy of wte stays: lm_head.weight is written from wte."""
+    """The full checkpoint's dicts, by GPT name, on rank 0's CPU (None elsewhere): each tensor of
+    stage s all-gathered by the TP group (dp 0, s, cp 0), sent on by its TP rank 0 (not lm_head)."""
     c = hybrid.grid.coords
     entries = []  # only my stage's first TP group takes part
     for name, p in hybrid.model.named_parameters():

@@ -3,17 +3,15 @@
 The tp_size ranks of a TP group split every matmul instead of the batch. In each block the first
 linear is column-parallel (rank r owns a slice of its outputs: c_attn's q, k, v by whole heads, so
 attention runs on n_head/tp_size local heads) and the second row-parallel (rank r owns the matching
-inputs and makes a partial sum). Two conjugate operators join each pair: g all-reduces the (B, T, C)
-partial sums after the row-parallel linear in forward, f the input gradient in front of the
-column-parallel one in backward: 2 of each per block, each about 2(tp_size-1)/tp_size x 4BTC bytes
-sent per rank. The embedding is split by vocabulary and lm_head is tied to it: the logits come out
-split by vocabulary; --loss_parallel's cross-entropy needs 2 all-reduces of B*T and 2B*T numbers.
+inputs: a partial sum). Two conjugate operators join each pair: g all-reduces the (B, T, C) partial
+sums after row-parallel in forward, f the input gradient before column-parallel in backward: 2 of
+each per block, each about 2(tp_size-1)/tp_size x 4BTC bytes sent per rank. wte and the tied
+lm_head are split by vocabulary: --loss_parallel's loss all-reduces B*T, then 2B*T numbers.
   memory per rank: about 16P/tp_size bytes (fp32 param + grad + AdamW state of this rank's shards,
                    plus the small replicated LayerNorms, row-parallel biases and wpe)
---sequence_parallel: between the linears the activations are split along the sequence too (1/tp_size
-of their memory): each all-reduce becomes a reduce-scatter after row-parallel and an all-gather
-before column-parallel, the same bytes; the replicated parameters' partial gradients are summed over
-the TP group after backward.
+--sequence_parallel: between the linears the activations are split by sequence too (1/tp_size of
+their memory): each all-reduce becomes a reduce-scatter after row-parallel and an all-gather before
+column-parallel, the same bytes; the replicas' partial gradients are summed over TP after backward.
 2D: N = D x tp_size ranks (--data_parallel_size D) in a grid, a row a TP group of consecutive ranks,
 a column a DP group that splits the batch and averages its gradients after backward.
 tp_overlap_train.py: the same, with each f and g sent in pieces under its matmul (--tp_overlap).
@@ -81,9 +79,8 @@ def reduce_scatter_seq(x, group):
 
 
 class CopyToTP(torch.autograd.Function):
-    """f, in front of a column-parallel matmul: identity forward; all-reduce backward (each rank's
-    weight slice gives a partial input gradient). With SP: all-gather the sequence shards forward;
-    reduce-scatter backward."""
+    """f, before a column-parallel matmul: identity forward, all-reduce of the partial input
+    gradients backward. With SP: all-gather of sequence shards forward, reduce-scatter backward."""
     @staticmethod
     def forward(ctx, x, tp):
         ctx.tp = tp
@@ -102,9 +99,8 @@ class CopyToTP(torch.autograd.Function):
 
 
 class ReduceFromTP(torch.autograd.Function):
-    """g, after a row-parallel matmul: all-reduce forward (the sum of the ranks' partial outputs);
-    identity backward. With SP: reduce-scatter (sum and split by sequence in one step) forward;
-    all-gather backward."""
+    """g, after a row-parallel matmul: all-reduce of the partial outputs forward, identity backward.
+    With SP: reduce-scatter (sum and split by sequence in one step) forward, all-gather backward."""
     @staticmethod
     def forward(ctx, x, tp):
         ctx.tp = tp
@@ -122,7 +118,7 @@ class ReduceFromTP(torch.autograd.Function):
             return all_gather(grad, ctx.tp.group, dim=1), None
 
 
-# ---- the strategy: the parallel layers ---------------------------------------------------
+# ---- the strategy: the parallel layers, and the loss from the vocabulary-split logits -----
 
 class ColumnParallelLinear(nn.Module):
     """y_r = f(x) W_r^T + b_r: this rank's out_features/tp outputs, from the whole input."""
@@ -131,7 +127,6 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features))
         self.bias = nn.Parameter(torch.empty(out_features // tp.size)) if bias else None
-
     def forward(self, x):  # f: x (B, T, in_features) whole, then the matmul: (B, T, out/tp)
         return F.linear(CopyToTP.apply(x, self.tp), self.weight, self.bias)
 
@@ -143,22 +138,18 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def forward(self, x):
-        # this rank's (B, T, out_features) term of the sum, summed by g: (B, T/tp, out) with SP
+    def forward(self, x):  # this rank's (B, T, out) term, summed by g: (B, T/tp, out) with SP
         out = ReduceFromTP.apply(F.linear(x, self.weight), self.tp)
         return out + self.bias if self.bias is not None else out
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r owns vocabulary rows [r*V/tp, (r+1)*V/tp): it looks up the ids it owns, zeroes the
-    others, and the sum over ranks (g) is the lookup."""
+    """Rank r owns rows [r*V/tp, (r+1)*V/tp): it looks up its ids, zeroes the others; g sums."""
     def __init__(self, tp, vocab_size, n_embd):
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(vocab_size // tp.size, n_embd))
         self.vocab_start = tp.rank * (vocab_size // tp.size)
-
     def forward(self, idx):
         local = idx - self.vocab_start
         mine = (local >= 0) & (local < self.weight.size(0))  # the ids this rank owns
@@ -166,15 +157,11 @@ class VocabParallelEmbedding(nn.Module):
         x = rows * mine.unsqueeze(-1)  # the others' ids: zero
         return ReduceFromTP.apply(x, self.tp)
 
-
-# ---- the strategy: the loss from the vocabulary-split logits ------------------------------
-
 class GatherFromVocab(torch.autograd.Function):
     """--loss_parallel false: all-gather the (B, T, V/tp) logit slices; backward keeps its own."""
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
-        ctx.rank = dist.get_rank(group)
+        ctx.group, ctx.rank = group, dist.get_rank(group)
         return all_gather(x, group, dim=-1)  # B*T*V/tp numbers from each rank
     @staticmethod
     def backward(ctx, grad):
@@ -182,12 +169,11 @@ class GatherFromVocab(torch.autograd.Function):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from (N, vocab/tp) logit slices in their own dtype (bf16 under
-    autocast), one per rank of `group`: loss = log(sum_v exp(z_v - m)) - (z_t - m) with m
-    the global max, from one all-reduce (MAX) of N numbers and one (SUM) of 2N: each slice's sum
-    of exp and the target's logit, which lives in one slice only. fp32 only 1024 rows at a
-    time (LOSS_CHUNK_ROWS): no fp32 copy of the slice exists. Backward needs no communication:
-    d loss / d z = softmax - onehot(t), recomputed a chunk at a time from the saved logits."""
+    """Per-token cross-entropy from (N, V/tp) logit slices in their own dtype, one per rank of
+    `group`: loss = log(sum_v exp(z_v - m)) - (z_t - m), m the global max, from one all-reduce
+    (MAX) of N numbers and one (SUM) of 2N: each slice's sum of exp and the target's logit (in one
+    slice only). fp32 only LOSS_CHUNK_ROWS rows at a time: no fp32 copy of the slice exists.
+    Backward sends nothing: d loss / d z = softmax - onehot(t), chunk by chunk from the logits."""
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
         m = logits.amax(dim=-1).float()  # (N,): exact in any dtype
@@ -196,14 +182,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         mine = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank owns
         local = local.clamp(0, logits.size(-1) - 1)
         picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float()  # (N,)
-        chunks = zip(logits.split(LOSS_CHUNK_ROWS), m.split(LOSS_CHUNK_ROWS))
-        # each chunk fp32 by promotion (m is), one chunk at a time: no fp32 copy of the logits
+        chunks = zip(logits.split(LOSS_CHUNK_ROWS), m.split(LOSS_CHUNK_ROWS))  # each fp32: m is
         sum_exp = torch.cat([(z - m_z.unsqueeze(-1)).exp_().sum(-1) for z, m_z in chunks])
         sums = torch.stack([sum_exp, torch.where(mine, picked - m, 0.0)])  # (2, N)
         dist.all_reduce(sums, group=group)  # 2N numbers: sums of exp, the targets' logits
         ctx.save_for_backward(logits, m, sums[0], local, mine)
         return sums[0].log() - sums[1]
-
     @staticmethod
     def backward(ctx, grad):
         logits, m, sum_exp, local, mine = ctx.saved_tensors
@@ -235,8 +219,7 @@ def shard_dim(name):
 
 
 def shard(name, full, rank, tp_size):
-    """Rank `rank`'s slice of the full tensor `name`. c_attn fuses [q; k; v] along its outputs: the
-    rank takes the same heads of each, so its slice is [q_r; k_r; v_r] (3C/tp outputs)."""
+    """Rank `rank`'s slice of the full tensor `name`; c_attn's fused [q; k; v]: [q_r; k_r; v_r]."""
     dim = shard_dim(name)
     if "c_attn" in name:
         qkv = full.unflatten(0, (3, -1))  # (3, C, ...): q, k, v
@@ -267,9 +250,8 @@ def device_generator(device):
 
 @contextmanager
 def tp_rank_rng(tp_rank, device):
-    """Seeds the device's generator with seed + tp_rank, seed drawn from the shared CPU stream
-    (equal on the TP group; no device sync), and puts the shared state back on exit: a function of
-    the shared stream, restored with it from a checkpoint."""
+    """Seeds the device's generator with seed + tp_rank, seed drawn from the shared CPU stream (no
+    device sync), and puts the shared state back on exit: restored with it from a checkpoint."""
     seed = int(torch.randint(2**62, ()))
     generator = device_generator(device)
     shared = generator.get_state()
@@ -281,32 +263,23 @@ def tp_rank_rng(tp_rank, device):
 
 
 class TPRankDropout(nn.Dropout):
-    """--sequence_parallel: GPT's nn.Dropouts (embedding, residuals) act on sequence shards: the
-    rank's own stream."""
+    """--sequence_parallel: GPT's nn.Dropouts act on sequence shards: the rank's own stream."""
     def __init__(self, dropout, tp_rank):
         super().__init__(dropout)
         self.tp_rank = tp_rank
-
     def forward(self, x):
-        if not (self.training and self.p):
-            return super().forward(x)
-        return self.on_rank_stream(x)
-
+        return self.on_rank_stream(x) if self.training and self.p else super().forward(x)
     @torch.compiler.disable  # --compile: generator states are host objects; the graph breaks here
     def on_rank_stream(self, x):
         with tp_rank_rng(self.tp_rank, x.device):
             return super().forward(x)
 
 
-def fork_sequence_parallel_dropouts(model, tp_rank):
-    """Every nn.Dropout of `model` becomes a TPRankDropout."""
+def fork_sequence_parallel_dropouts(model, tp_rank):  # every nn.Dropout becomes a TPRankDropout
     for name, module in list(model.named_modules()):  # listed first: the loop replaces modules
         if type(module) is nn.Dropout:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, TPRankDropout(module.p, tp_rank))
-
-
-# ---- the strategy: the model and the training step ---------------------------------------
 
 class TPAttention(nn.Module):
     """Causal self-attention on this rank's n_head/tp heads: c_attn gives their q, k, v whole, so
@@ -317,37 +290,29 @@ class TPAttention(nn.Module):
         self.c_proj = RowParallelLinear(tp, config.n_embd, config.n_embd, config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head // tp.size  # this rank's heads
-        self.dropout = config.dropout
-        self.tp_rank = tp.rank
-
+        self.dropout, self.tp_rank = config.dropout, tp.rank
     def forward(self, x):  # x: (B, T, C), or (B, T/tp, C) with SP; TorchTP runs it too
         qkv = self.c_attn(x)  # (B, T, 3C/tp) = [q_r, k_r, v_r]: this rank's heads, whole
         B, T, _ = qkv.shape
-        q, k, v = qkv.chunk(3, dim=2)  # each (B, T, C/tp)
-        q = q.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, nh/tp, T, hs)
-        k = k.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, nh/tp, T, hs)
-        v = v.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, nh/tp, T, hs)
+        # q, k, v: each (B, T, C/tp) -> (B, nh/tp, T, hs)
+        q, k, v = [t.view(B, T, self.n_head, -1).transpose(1, 2) for t in qkv.chunk(3, dim=2)]
         out = self.attend(q, k, v)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, nh/tp, T, hs) -> (B, T, C/tp)
         return self.resid_dropout(self.c_proj(out))  # (B, T, C), or (B, T/tp, C) with SP
-
     def attend(self, q, k, v):
         """GPT's attention core on this rank's heads, its dropout masks from the rank's own stream
         (selective checkpointing recomputes it: the seed drawn again is the same)."""
         dropout_p = self.dropout if self.training else 0.0
-        rng = tp_rank_rng(self.tp_rank, q.device) if dropout_p else nullcontext()  # own masks
-        with rng:
+        with tp_rank_rng(self.tp_rank, q.device) if dropout_p else nullcontext():  # own masks
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
 class TPGPT(GPT):
-    """common/model.py's GPT with wte, attention and MLP linears swapped for the parallel ones (the
-    same parameter names), each holding this rank's shard of init_tensor's value or of `state` (a
-    full state_dict). lm_head is the vocabulary-parallel wte: forward gives (logit slice, loss)."""
+    """GPT with wte, attention and MLP linears swapped for the parallel ones (same names), each
+    holding this rank's shard of init_tensor's value or of `state`; lm_head is the tied wte."""
     def __init__(self, tp, config, seed, device, loss_parallel=True, state=None):
         super().__init__(config, device="meta")
-        self.tp = tp
-        self.loss_parallel = loss_parallel
+        self.tp, self.loss_parallel = tp, loss_parallel
         full_shapes = {n: p.shape for n, p in self.named_parameters()}
         C = config.n_embd
         with torch.device("meta"):
@@ -370,7 +335,6 @@ class TPGPT(GPT):
         # with SP the replicated parameters see this rank's sequence shard: partial gradients
         replicated = [p for n, p in self.named_parameters() if shard_dim(n) is None]
         self.sequence_parallel_params = replicated if tp.sp else []
-
     def forward(self, idx, targets=None):
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)
@@ -393,23 +357,20 @@ class TPGPT(GPT):
                                                      self.tp.group)
             return logits, losses.mean()
         logits = GatherFromVocab.apply(logits, self.tp.group)  # (B, T, V)
-        loss = cross_entropy(logits.view(B * T, -1), targets.view(-1))  # (B*T, V)
-        return logits, loss
+        return logits, cross_entropy(logits.view(B * T, -1), targets.view(-1))  # (B*T, V)
 
 
 def all_reduce_grads(grads, group, op=dist.ReduceOp.SUM):
     """One flat all-reduce of these gradients over `group` (numel x 4 bytes), in place."""
     flat = torch.cat([grad.reshape(-1) for grad in grads])
     dist.all_reduce(flat, op=op, group=group)
-    sizes = [grad.numel() for grad in grads]
-    for grad, flat_grad in zip(grads, flat.split(sizes)):
+    for grad, flat_grad in zip(grads, flat.split([grad.numel() for grad in grads])):
         grad.copy_(flat_grad.view_as(grad))
 
 
 class TensorParallel:
     """The strategy behind the few methods the training loop calls: TPGPT's shards on the TP group
     (a row of the D x tp_size grid), its gradients averaged over the DP group (a column)."""
-
     def __init__(self, config, args, device, state=None):
         self.args, self.device = args, device
         self.tp_size = args.tensor_parallel_size
@@ -424,7 +385,6 @@ class TensorParallel:
         compile_forward(self.model.transformer.h, args.compile, BLOCK_LINEARS + ("attn.attend",))
         # full: a block's recompute runs its forward collectives again in backward
         checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
-
     def share_rng(self, resumed):
         """Dropout's shared stream, the default generators (CPU and device): equal on the TP group,
         once. Fresh: seeded by DP rank. Resumed: TP rank 0's go to the others (layouts differ)."""
@@ -436,7 +396,6 @@ class TensorParallel:
                 generator.set_state(state.cpu())
             else:
                 generator.manual_seed(self.args.seed + dist.get_rank(self.dp_group))
-
     def configure_optimizer(self, args, state=None):
         betas = (args.beta1, args.beta2)
         named = self.model.named_parameters()
@@ -446,11 +405,9 @@ class TensorParallel:
                 piece = functools.partial(self.local_piece, name, p)  # full tensor -> this rank's
                 set_adamw_state(optimizer, p, state[name], piece)
         return optimizer
-
     def local_piece(self, name, p, full):
         """A new tensor laid out like parameter `p`: this rank's piece of the full tensor `name`."""
         return torch.empty_like(p).copy_(shard(name, full, self.model.tp.rank, self.tp_size))
-
     def forward_backward(self, x, y, sync):
         """One micro-step; returns its loss. sync=False: accumulate only."""
         with activations.first():  # the bytes autograd saves for backward, once: SP shrinks them
@@ -462,13 +419,11 @@ class TensorParallel:
         if sync and self.model.sequence_parallel_params:  # each rank's from its shard only: sum
             all_reduce_grads([p.grad for p in self.model.sequence_parallel_params], self.tp_group)
         return loss.detach().float()
-
     def average_over_dp(self, grads):
         """DP: the mean over the DP group of this rank's local gradients, one flat all-reduce of
         about 4P/tp_size bytes after backward (Megatron's default; ddp_train.py overlaps it)."""
         if len(self.grid) > 1:
             all_reduce_grads(grads, self.dp_group, op=dist.ReduceOp.AVG)
-
     @torch.no_grad()
     def eval_loss(self, x, y):
         self.model.eval()
@@ -476,18 +431,15 @@ class TensorParallel:
             _, loss = self.model(x, y)
         self.model.train()
         return loss.float()
-
     def clip_grad_norm_(self, max_norm):
         # the sharded gradients' squares summed over the TP group, the replicated ones counted once
         named = list(self.model.named_parameters())
         sharded = [p.grad for n, p in named if shard_dim(n) is not None]
         replicated = [p.grad for n, p in named if shard_dim(n) is None]
         return clip_grad_norm_(sharded, replicated, max_norm, self.tp_group)
-
     def full_state(self, optimizer):
-        """Collective: the full format in rank 0's CPU memory (None elsewhere). Every tensor is
-        gathered from its TP group, one at a time, and rank 0 copies it to the CPU before the
-        next; the other ranks keep nothing."""
+        """Collective: the full format in rank 0's CPU memory (None elsewhere), gathered from the TP
+        group a tensor at a time, each copied to rank 0's CPU before the next."""
         rank0 = dist.get_rank() == 0
         model, optim = {}, {}
         for name, p in self.model.named_parameters():
@@ -503,14 +455,12 @@ class TensorParallel:
             return None, None
         model["lm_head.weight"] = model["transformer.wte.weight"]  # tied; last, as in GPT's
         return model, optim
-
     def full_tensor(self, name, tensor):
         """The whole tensor, on this rank's device: a sharded one all-gathered from the TP group."""
         if shard_dim(name) is not None:  # every rank sends its shard to every other rank
             shards = all_gather(tensor, self.tp_group, dim=0).chunk(self.tp_size)
             tensor = unshard(name, list(shards))
         return tensor
-
     def describe(self):
         grid = f"DP {len(self.grid)} x TP {self.tp_size} grid {self.grid.tolist()} (row = TP group)"
         sp = f"sequence_parallel {self.args.sequence_parallel}"
@@ -520,8 +470,7 @@ class TensorParallel:
 
 
 class TorchTP(peers.torch_tp.TorchTP, TensorParallel):
-    """--implementation pytorch: DTensor's plan on the plain GPT (peers/torch_tp.py), whose
-    attentions run TPAttention's on the local heads; the other methods are TensorParallel's."""
+    """--implementation pytorch: DTensor's plan (peers/torch_tp.py), attention by TPAttention."""
     shard, unshard = staticmethod(shard), staticmethod(unshard)
     fork_dropouts, attention = staticmethod(fork_sequence_parallel_dropouts), TPAttention
 
@@ -539,8 +488,8 @@ def add_tp_flags(group):
 
 
 def check_tp_args(args, world_size):
-    """Bad input ends every rank with one line, before anything is built. Fills in both sizes of
-    the D x tp_size grid (args.tensor_parallel_size, args.data_parallel_size) and returns D."""
+    """Bad input ends every rank with one line, before anything is built. Sets both grid sizes on
+    args (--tensor_parallel_size, --data_parallel_size) and returns D."""
     if args.tp_overlap is not None:
         die("--tp_overlap: the collectives overlapped with the matmuls are in tp_overlap_train.py")
     tp_size, D = args.tensor_parallel_size, args.data_parallel_size
@@ -551,9 +500,8 @@ def check_tp_args(args, world_size):
         tp_size = world_size // (D or 1)
     if D is None:
         D = world_size // max(tp_size, 1)
-    split = [("--n_head", args.n_head), ("--n_embd", args.n_embd), ("--n_embd", 4 * args.n_embd),
-             ("--vocab_size", args.vocab_size)]
-    for flag, value in split:
+    dims = [("--n_head", args.n_head), ("--n_embd", args.n_embd), ("--vocab_size", args.vocab_size)]
+    for flag, value in dims:
         if tp_size and value % tp_size:
             die(f"{flag}: {value} must be divisible by --tensor_parallel_size ({tp_size})")
     if tp_size and args.sequence_parallel and args.block_size % tp_size:

@@ -9,13 +9,12 @@ Tensors under --persistence_threshold elements stay replicated, as in DDP: every
 their state, runs AdamW on them and all-reduces their gradients once a step.
 Memory per rank, fp32 (AdamW state: 8 bytes an element):
   stage 1:  4P params + 4P grads + 8P_own.
-  stage 2:  4P params + 4P_own grads + 8P_own, plus the non-owned gradients whose reduce is in
-            flight: at most --reduce_bucket_mb (or one gradient, when it is larger).
+  stage 2:  4P params + 4P_own grads + 8P_own + the non-owned gradients in flight: at most
+            --reduce_bucket_mb (or one gradient, when it is larger).
   stage 3:  16P/N (owned params, grads, AdamW state) + the non-owned tensors fetched at the moment.
 What moves, per step of A micro-steps (bytes each rank hands to the collectives):
-  stage 1:  the gradients are all-reduced in buckets overlapped with backward, as in ddp_train.py
-            (4P); AdamW steps the owned tensors only, then each owner broadcasts them (4P, one
-            message per owner: its tensors are views of one flat buffer).
+  stage 1:  ddp_train.py's bucket all-reduces, overlapped with backward (4P); AdamW steps the
+            owned tensors only, then each owner broadcasts them (4P, one message: one flat buffer).
   stage 2:  each gradient goes to its owner with an async reduce as soon as backward has
             accumulated it, on every micro-step (A x 4P); a non-owner drops it once the reduce is
             waited for. Then stage 1's broadcasts (4P).
@@ -76,12 +75,11 @@ def flatten_(tensors):
     if len(tensors) == 1:
         return tensors[0]
     held = tensors[0].untyped_storage().nbytes() > 0  # a buffer's tensors: all held, or none
+    sizes = [tensor.numel() for tensor in tensors]
     if held:
         flat = torch.cat([tensor.detach().flatten() for tensor in tensors])
     else:
-        numel = sum(tensor.numel() for tensor in tensors)
-        flat = torch.empty(numel, dtype=tensors[0].dtype, device=tensors[0].device)
-    sizes = [tensor.numel() for tensor in tensors]
+        flat = torch.empty(sum(sizes), dtype=tensors[0].dtype, device=tensors[0].device)
     for tensor, view in zip(tensors, flat.split(sizes)):
         tensor.data = view.view_as(tensor)
     if not held:
@@ -90,10 +88,9 @@ def flatten_(tensors):
 
 
 class OwnedAdamW(torch.optim.Optimizer):
-    """Stages 1 and 2's optimizer, laid out as ZeroRedundancyOptimizer is: its param_groups (the
-    contract's two) hold every parameter, so the loop sets their lr and zeroes every gradient, and
-    the state bytes count them all; `adamw`, built on the `kept` (name, tensor) pairs this rank
-    keeps (owned or persistent), alone has state and steps. `owner`: {parameter: rank, None if
+    """Stages 1 and 2's optimizer, laid out as ZeroRedundancyOptimizer: param_groups hold every
+    parameter, for the loop's lr and zero_grad; `adamw`, on the `kept` (name, tensor) pairs this
+    rank keeps (owned or persistent), alone has state and steps. `owner`: {parameter: rank, None if
     persistent}."""
 
     def __init__(self, named_params, kept, owner, args):
@@ -101,9 +98,7 @@ class OwnedAdamW(torch.optim.Optimizer):
         super().__init__(configure_optimizer(named_params, *hyper).param_groups, {})
         self.adamw = configure_optimizer(kept, *hyper)
         self.state = self.adamw.state  # 8 bytes (exp_avg, exp_avg_sq) per kept element, + the step
-        # Each owner's tensors become views of one flat buffer (ZeroRedundancyOptimizer's
-        # parameters_as_bucket_view), so that its broadcast after the step is one message.
-        self.flats = []  # (owner, its flat buffer), in rank order
+        self.flats = []  # (owner, its flat buffer: parameters_as_bucket_view), in rank order
         for rank in sorted(set(owner.values()) - {None}):
             self.flats.append((rank, flatten_([p for p, r in owner.items() if r == rank])))
 
@@ -112,8 +107,8 @@ class OwnedAdamW(torch.optim.Optimizer):
         for group, mine in zip(self.param_groups, self.adamw.param_groups):
             mine["lr"] = group["lr"]
         self.adamw.step()
-        # Each owner sends its updated tensors (4 P_own bytes, one message) to every rank, so the
-        # replicas are equal again. Async, in owner order on every rank; the next forward reads all.
+        # Each owner sends its updated tensors (4 P_own bytes, one message) to every rank: the
+        # replicas are equal again. Async, in owner order on every rank.
         works = [dist.broadcast(flat, src=owner, async_op=True) for owner, flat in self.flats]
         with timers("broadcast_wait"):
             for work in works:
@@ -121,24 +116,20 @@ class OwnedAdamW(torch.optim.Optimizer):
 
 
 class ZeRO1:
-    """Stage 1 behind the few methods the training loop calls: the whole GPT and every gradient on
-    every rank, as in DDP (GradientBuckets averages them); AdamW state only for the tensors a rank
-    owns, which OwnedAdamW steps and then broadcasts. Stages 2 and 3 override the steps of the
-    construction: build_model and reduce_gradients."""
+    """Stage 1 behind the loop's methods: the whole GPT and every gradient on every rank, as in DDP;
+    OwnedAdamW keeps the owned tensors' AdamW state. Stages 2, 3: build_model, reduce_gradients."""
     dp_group = None  # the ranks that split the batch: all of them
     bucket_cap_mb = 25  # GradientBuckets' size, and stage 2's window: DDP's default
     sharded = "AdamW state"  # what describe() says is owned
 
     def __init__(self, config, args, device, state=None):
         self.args, self.device = args, device
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         shapes = [(n, p.shape) for n, p in GPT(config, device="meta").named_parameters()]
         owner = self.assign_owners(shapes)  # {name: rank, None if persistent}
         self.model, self.masters = self.build_model(config, owner, state)
-        # --compile: each block's forward, as ddp (one graph for the whole model would leave every
-        # reduce to its end). Stages 1-2: the head too (ln_f, lm_head, the loss fused); stage 3's
-        # ParamFetcher hooks around each module stay eager, which a compiled head would trace.
+        # --compile: each block, as ddp (one whole-model graph would leave every reduce to its end);
+        # the head too (ln_f, lm_head, loss) but in stage 3, whose fetch hooks stay eager.
         compile_forward(self.model.transformer.h, args.compile)
         compile_forward([self.model], args.compile and args.stage < 3, method="head")
         checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
@@ -157,8 +148,7 @@ class ZeRO1:
         return owner
 
     def build_model(self, config, owner, state):
-        """The whole model on every rank, as in DDP; returns it and {owned parameter: its master},
-        the fp32 tensor AdamW updates: here the parameter itself."""
+        """The whole model on every rank; returns it and {owned parameter: its master}: itself."""
         model = GPT(config, seed=self.args.seed, device=self.device)
         if state is not None:  # a full checkpoint from any script: every rank loads all of it
             model.load_state_dict(state)
@@ -168,9 +158,7 @@ class ZeRO1:
 
     def reduce_gradients(self):
         self.buckets = GradientBuckets(self.model, self.bucket_cap_mb)
-        # The one change to ddp_train.py's use of them: at this size this GPT's gradients become
-        # ready in the first guess's order, bucket for bucket (tests/test_zero3.py), so stage 1
-        # skips the rebuild after the first backward, and the broadcast of the measured order.
+        # Unlike ddp_train.py, no rebuild: this GPT's first guess is its ready order (tests).
         self.buckets.ready_order = None
 
     def configure_optimizer(self, args, state=None):
@@ -192,10 +180,7 @@ class ZeRO1:
         self.buckets.require_sync = sync
         with activations.first(), autocast(self.args, self.device):  # the bytes kept for backward
             _, loss = self.model(x, y)
-        # Each micro-step is 1/A of this rank's rows and each rank 1/N of the batch: with the
-        # loss divided by A*N, backward writes g/(A*N) and the buckets' plain sum over the ranks
-        # is the mean, with no pass over the gradients to divide them (torch DDP and Megatron
-        # divide each bucket before its all-reduce). N a power of 2: the same bits as after the sum.
+        # Loss / (A*N): the buckets' plain sum over the ranks is the mean (docs/zero3.md).
         N = dist.get_world_size(self.buckets.group)  # the ranks the buckets sum over
         (loss / (self.args.grad_accum_steps * N)).backward()
         with timers("all_reduce_wait"):  # exposed communication: what the overlap did not hide
@@ -227,24 +212,19 @@ class ZeRO1:
 
 
 class TorchZeRO1(peers.torch_zero3.TorchZeRO1, ZeRO1):
-    """--implementation pytorch --stage 1: DDP + ZeroRedundancyOptimizer(AdamW) in place of
-    GradientBuckets and OwnedAdamW (peers/torch_zero3.py); the other methods are ZeRO1's."""
+    """--implementation pytorch --stage 1: DDP + ZeroRedundancyOptimizer (peers/torch_zero3.py)."""
 
 
 # ---- stage 2: the gradients sharded too, each reduced to its owner -------------------------
 
 class ReduceToOwner:
-    """Stage 2's gradients (and stage 3's): each one goes to its owner with an async reduce as soon
-    as backward has accumulated it, on every micro-step; a non-owner keeps none. Persistent
-    (replicated) gradients: one all-reduce on the step's last micro-step. Hooks fire in the same
-    order on every rank, so all issue the same collectives. Call `finish_backward()` after every
-    backward; set `sync = False` before a micro-step that is not the step's last. `owner`:
-    {parameter: rank, None if persistent}; `masters`: {kept parameter: the fp32 tensor AdamW
-    updates here}."""
+    """Stage 2's (and 3's) gradient reduces (module docstring); persistent (replicated) gradients:
+    one all-reduce on the step's last micro-step. Hooks fire in the same order on every rank, so
+    all issue the same collectives. `sync = False`: not the step's last micro-step.
+    `owner`: {parameter: rank, None if persistent}; `masters`: {kept parameter: its fp32 master}."""
 
     def __init__(self, owner, rank, masters, reduce_bucket_bytes):
-        self.owner = owner
-        self.masters = masters
+        self.owner, self.masters = owner, masters
         self.owned = [masters[p] for p, r in owner.items() if r == rank]
         self.persistent = [masters[p] for p, r in owner.items() if r is None]
         self.reduces = deque()  # (gradient, its in-flight reduce or all-reduce), oldest first
@@ -256,9 +236,8 @@ class ReduceToOwner:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _grad_ready(self, p):
-        # Runs in backward once p.grad holds this micro-step's full gradient (the tied wte/lm_head:
-        # once, both uses summed). Every rank sends its fp32 gradient (numel x 4 bytes) to the
-        # owner, which receives the sum; the owner's holds the earlier micro-steps' sums too.
+        # Each rank sends p's fp32 gradient (numel x 4 bytes; tied wte: once, both uses summed) to
+        # the owner, which receives the sum; the owner's holds the earlier micro-steps' sums too.
         grad = p.grad.float()  # bf16: an fp32 copy; fp32: p.grad itself
         master = self.masters.get(p)
         if master is not p:  # a non-owner's p.grad goes (the reduce holds it), and a bf16 one
@@ -269,10 +248,7 @@ class ReduceToOwner:
                 grad = master.grad.add_(grad)  # the sum so far goes to the reduce
         if self.owner[p] is None and not self.sync:
             return  # a replicated gradient only accumulates on this micro-step
-        # A bounded window (DeepSpeed's reduce_bucket_size): while this gradient would put more
-        # than `window` bytes in flight, wait for the oldest reduce and drop its gradient. Waiting
-        # only on is_completed() would free nothing on CUDA, where the host runs ahead of the
-        # kernels: every gradient would stay until finish_backward, as many bytes as DDP's.
+        # At most `window` bytes in flight (DeepSpeed's reduce_bucket_size): wait for the oldest.
         nbytes = grad.numel() * grad.element_size()
         while self.reduces and self.in_flight + nbytes > self.window:
             self._wait_oldest()
@@ -284,8 +260,7 @@ class ReduceToOwner:
         self.in_flight += nbytes
 
     def _wait_oldest(self):
-        # On CUDA, wait() makes the compute stream wait for the reduce; the gradient's memory
-        # returns to the allocator for the kernels queued after that point.
+        # CUDA: the compute stream waits; the gradient's memory serves the kernels queued after.
         grad, work = self.reduces.popleft()
         with timers("reduce_wait"):  # exposed communication: what the overlap did not hide
             work.wait()
@@ -299,8 +274,7 @@ class ReduceToOwner:
 
 
 class ZeRO2(ZeRO1):
-    """Stage 2: ZeRO1 with ReduceToOwner in place of GradientBuckets: each owner gets its
-    gradients, and a rank keeps only those."""
+    """Stage 2: ZeRO1 with ReduceToOwner in place of GradientBuckets."""
     sharded = "AdamW state and gradients"
 
     def reduce_gradients(self):
@@ -312,7 +286,7 @@ class ZeRO2(ZeRO1):
         self.reducer.sync = sync
         with activations.first(), autocast(self.args, self.device):  # the bytes kept for backward
             _, loss = self.model(x, y)
-        # As in stage 1, the loss divided by A*N makes the reduces' plain sums the mean.
+        # As in stage 1: loss / (A*N) makes the reduces' plain sums the mean.
         (loss / (self.args.grad_accum_steps * self.world_size)).backward()
         self.reducer.finish_backward()
         return loss.detach().float()
@@ -321,11 +295,10 @@ class ZeRO2(ZeRO1):
 # ---- stage 3: the parameters sharded too, fetched around each module -------------------------
 
 def materialize_owned_(model, owner, rank, values, device, dtype=torch.float32):
-    """Deferred init of the meta `model`: storage and a value (`values[name]`: the initial one, or
-    the checkpoint's) only for the fp32 masters of the tensors this rank owns and the persistent
-    ones; returns {parameter: master}. In fp32 (persistent ones always) the model computes with the
-    masters themselves; else, as with the tensors owned elsewhere, with `dtype` parameters of 0
-    bytes of storage, which a broadcast fills."""
+    """Deferred init of the meta `model`: storage and a value (`values[name]`) only for the fp32
+    masters this rank owns and the persistent ones; returns {parameter: master}. In fp32 (persistent
+    ones always) the model computes with them; else, as with those owned elsewhere, with `dtype`
+    parameters of 0 bytes, which a broadcast fills."""
     made = {}  # meta parameter -> the parameter the model computes with
     masters = {}  # meta parameter -> its fp32 master, for the kept ones
     for name, p in model.named_parameters():  # the tied weight appears once
@@ -343,16 +316,12 @@ def materialize_owned_(model, owner, rank, values, device, dtype=torch.float32):
 
 
 class ParamFetcher:
-    """Stage 3's parameters: before each module's forward (and backward) the tensors it uses are
-    broadcast from their owners, the next module's already on the way (prefetch); after it the
-    non-owners free them. Every rank keeps the same `fetched` bookkeeping, so all issue the same
-    broadcasts. `owner`: {parameter: rank, None if persistent (never fetched)}; `masters`:
-    materialize_owned_'s."""
+    """Stage 3's parameters, broadcast around each module's forward and backward; every rank keeps
+    the same `fetched`, so all issue the same broadcasts. `owner`: {parameter: rank, None if
+    persistent (never fetched)}; `masters`: materialize_owned_'s."""
 
     def __init__(self, model, owner, rank, masters, prefetch=True, max_reuse_distance=10**9):
-        self.rank = rank
-        self.masters = masters
-        self.prefetch = prefetch
+        self.rank, self.masters, self.prefetch = rank, masters, prefetch
         self.units = [model.transformer.wte, model.transformer.wpe, *model.transformer.h,
                       model.transformer.ln_f, model.lm_head]  # the modules, in forward order
         # One broadcast per (module, owner): that owner's tensors of a module are one flat buffer.
@@ -369,11 +338,9 @@ class ParamFetcher:
         sizes = [sum(flat.numel() for flat in buffers) for buffers in self.unit_buffers]
         self.keep = []
         for i, buffers in enumerate(self.unit_buffers):
-            keep = set()
-            for j in range(i + 1, len(sizes)):
-                if sum(sizes[i + 1:j]) <= max_reuse_distance:
-                    keep |= set(buffers) & set(self.unit_buffers[j])
-            self.keep.append(keep)
+            near = [j for j in range(i + 1, len(sizes))
+                    if sum(sizes[i + 1:j]) <= max_reuse_distance]
+            self.keep.append({b for j in near for b in set(buffers) & set(self.unit_buffers[j])})
         # an embedding lookup's backward reads no weight: only the others are fetched again
         lookups = [i for i, unit in enumerate(self.units) if isinstance(unit, torch.nn.Embedding)]
         self.backward_order = [i for i in reversed(range(len(self.units))) if i not in lookups]
@@ -384,17 +351,13 @@ class ParamFetcher:
             unit.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, args, out))
 
     def _buffer(self, params, owner):
-        """The flat buffer the module computes with, holding `params`, owned by `owner` (the tied
-        wte: one buffer for both its modules). Its owner also keeps the buffer's flat fp32 master:
-        in fp32 the buffer itself."""
+        """The flat buffer of `params` (tied wte: one for both modules), owned by `owner`, who also
+        keeps its flat fp32 master: in fp32 the buffer itself."""
         flat = flatten_(params)
         self.buffer_owner[flat] = owner
         if owner == self.rank:
             masters = [self.masters[p] for p in params]
-            if masters[0] is params[0]:
-                self.flat_master[flat] = flat
-            else:
-                self.flat_master[flat] = flatten_(masters)
+            self.flat_master[flat] = flat if masters[0] is params[0] else flatten_(masters)
         return flat
 
     def _fetch(self, i):
@@ -406,9 +369,8 @@ class ParamFetcher:
                 flat.untyped_storage().resize_(flat.numel() * flat.element_size())
                 if master is not None:
                     flat.data.copy_(master.detach())  # bf16: the owner casts its fp32 master
-            # The owner sends its tensors (numel x 4 bytes; bf16: 2) to every other rank, async,
-            # overlapping the running module. Through .data, so that no autograd version counter
-            # moves; autograd saves views of this buffer (no autocast copies, under bf16 too).
+            # The owner sends its tensors (numel x 4 bytes; bf16: 2) to every rank, async. Through
+            # .data: no version counter moves on the views autograd saved (bf16 too: no casts).
             src = self.buffer_owner[flat]
             self.fetched[flat] = dist.broadcast(flat.data, src=src, async_op=True)
 
@@ -434,25 +396,16 @@ class ParamFetcher:
 
     def _after_forward(self, i, inputs, out):
         if out.requires_grad and i in self.backward_order:  # training: this module has a backward
-            # Backward's fetch and free, by autograd hooks on this forward's graph: fetch before
-            # the module's first backward op (a pre-hook on its output's node); free once its
-            # input's gradient is whole, as every op that reads a weight has then run. Tensor hooks
-            # run before node pre-hooks, so this module is freed before the previous one is
-            # fetched. --activation_checkpointing full: the recompute runs on this fetch.
-            # (Module-level full backward hooks would wrap every input and output in one more
-            # autograd Function: more host time a step.)
+            # Backward (docs/zero3.md): fetch at its output node's pre-hook; free once its input's
+            # gradient is whole. Tensor hooks run first: freed before the previous one is fetched.
             out.grad_fn.register_prehook(lambda grads: self._before(i, self.backward_order))
             inputs[0].register_hook(lambda grad: self._free(i))
-        # The head's backward comes right after the loss: keep its buffer (the tied wte) until then.
-        if i == len(self.units) - 1 and out.requires_grad:
-            return
-        self._free(i, self.keep[i])
+        if i != len(self.units) - 1 or not out.requires_grad:  # the head's wte stays for backward
+            self._free(i, self.keep[i])
 
 
 class ZeRO3(ZeRO2):
-    """Stage 3: ZeRO2 with the parameters sharded too. The GPT is built on meta and each rank
-    materialises only the tensors it owns; ParamFetcher broadcasts the others from their owners
-    around each module, so nothing is broadcast after the step."""
+    """Stage 3: ZeRO2 with the GPT on meta, each rank materialising its own, and ParamFetcher."""
 
     def __init__(self, config, args, device, state=None):
         super().__init__(config, args, device, state)
@@ -462,21 +415,18 @@ class ZeRO3(ZeRO2):
     def build_model(self, config, owner, state):
         """The GPT on meta, with storage only for what this rank owns (materialize_owned_)."""
         model = GPT(config, device="meta")  # shapes only
-        values = {}  # the owned tensors' values
-        for name, p in model.named_parameters():
-            if owner[name] not in (None, self.rank):
-                continue
-            if state is not None:  # a full checkpoint (any script, any world size): what is owned
-                values[name] = state[name]
-            else:
-                values[name] = init_tensor(name, p.shape, config, self.args.seed)
+        owned = [(n, p) for n, p in model.named_parameters() if owner[n] in (None, self.rank)]
+        if state is not None:  # a full checkpoint (any script, any world size): what is owned
+            values = {n: state[n] for n, p in owned}
+        else:
+            values = {n: init_tensor(n, p.shape, config, self.args.seed) for n, p in owned}
         # bf16: computes with bf16 parameters, updates fp32 masters
         dtype = torch.bfloat16 if self.args.dtype == "bfloat16" else torch.float32
         masters = materialize_owned_(model, owner, self.rank, values, self.device, dtype)
         return model, masters
 
     def configure_optimizer(self, args, state=None):
-        # Plain AdamW on the owned tensors: ParamFetcher broadcasts them when they are next used.
+        # Plain AdamW on the owned tensors: ParamFetcher broadcasts them when next used.
         betas = (args.beta1, args.beta2)
         optimizer = configure_optimizer(self.kept, args.weight_decay, args.learning_rate, betas)
         self.load_adamw_state(optimizer, state)
@@ -493,8 +443,7 @@ class ZeRO3(ZeRO2):
 
 
 class TorchZeRO3(peers.torch_zero3.TorchZeRO3, ZeRO3):
-    """--implementation pytorch: FSDP2 (fully_shard), each tensor sliced over the ranks, in place
-    of ParamFetcher and ReduceToOwner (peers/torch_zero3.py); the other methods are ZeRO3's."""
+    """--implementation pytorch: FSDP2 (fully_shard) in place of ParamFetcher and ReduceToOwner."""
 
 
 STAGES = {"custom": {1: ZeRO1, 2: ZeRO2, 3: ZeRO3},
@@ -623,14 +572,12 @@ def main(argv=None):
 @torch.no_grad()
 def gather_full_state(model, optimizer, owner, masters):
     """The full checkpoint's model and optimizer dicts in rank 0's CPU memory (None elsewhere),
-    one tensor at a time: each owner sends rank 0 its fp32 master, exp_avg and exp_avg_sq (4 x numel
-    bytes each) and step (4 bytes); rank 0 receives each into a buffer on its device and copies it
-    to the CPU before the next, so no device holds more than one tensor beyond its training state.
+    one tensor at a time: each owner sends rank 0 its fp32 master, exp_avg, exp_avg_sq (4 x numel
+    bytes each) and step (4 bytes); rank 0 copies each to the CPU before the next.
     `owner`: {parameter: rank, None if persistent}; `masters`: {parameter: the tensor AdamW
     updates here}."""
     rank = dist.get_rank()
-    params = {}
-    optim = {}
+    params, optim = {}, {}
     for name, p in model.named_parameters():
         src = 0 if owner[p] is None else owner[p]  # a persistent tensor: rank 0's copy
         if rank not in (0, src):
