@@ -63,7 +63,7 @@ def divergence(run, reference):
     relative |dnorm| of the steps' pre-clip grad norms."""
     losses = list(zip(run["losses"], reference["losses"]))
     for step, pair in run["evals"].items():
-        losses += zip(pair, reference["evals"].get(step, (float("nan"),) * 2))
+        losses += zip(pair, reference["evals"].get(step, (float("inf"),) * 2))  # none: diverged
     norms = [(a, b) for a, b in zip(run["norms"], reference["norms"]) if a is not None]
     return max([abs(a - b) for a, b in losses] + [abs(a - b) / abs(b) for a, b in norms])
 

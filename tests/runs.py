@@ -24,7 +24,7 @@ from common.distributed import teardown  # noqa: E402
 from common.metrics import Metrics  # noqa: E402
 
 COUNTED = ("frames", "stats", "graph_break")  # what dynamo traced, compiled, and where it broke
-snapshots = []  # this run's counters after each training step
+after_first_step = []  # this run's counters after its first training step, once taken
 
 
 def counted():
@@ -34,7 +34,8 @@ def counted():
 def step_counted(step):
     def call(self, *args, **kwargs):
         step(self, *args, **kwargs)
-        snapshots.append(counted())
+        if not after_first_step:
+            after_first_step.append(counted())
     return call
 
 
@@ -55,10 +56,10 @@ if __name__ == "__main__":
     script = importlib.import_module(os.path.basename(sys.argv[1])[:-3])
     for argv in split_runs(sys.argv[2:]):
         torch._dynamo.reset()
-        snapshots.clear()
+        after_first_step.clear()
         script.main(argv)
-        if "--out_dir" in argv and snapshots:
+        if "--out_dir" in argv and after_first_step:
             name = f"dynamo_rank{os.environ.get('RANK', '0')}.json"
             with open(os.path.join(argv[argv.index("--out_dir") + 1], name), "w") as f:
-                json.dump(dict(after_first_step=snapshots[0], end=counted()), f)
+                json.dump(dict(after_first_step=after_first_step[0], end=counted()), f)
     teardown()
