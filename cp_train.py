@@ -27,7 +27,6 @@ Memory, peaks and the zigzag derivation: docs/cp.md.
 """
 import os
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -59,9 +58,8 @@ def positions(T, cp_size, r, zigzag):
 
 def causal_window(q_pos, k_pos):
     """The part of a (query block, key block) pair that the causal mask keeps: queries from `first`
-    on (a suffix: the ones after the block's first key), keys up to `keys` (a prefix: the ones
-    before the last query), and the mask inside that window (True: key after query, dropped), or
-    None when it keeps all."""
+    on (those after the block's first key), keys up to `keys` (those before the last query), and
+    the mask inside that window (True: key after query, dropped), or None when it keeps all."""
     first = int((q_pos < k_pos[0]).sum())
     keys = int((k_pos <= q_pos[-1]).sum())
     mask = k_pos[None, :keys] > q_pos[first:, None]  # (kept queries, kept keys)
@@ -87,9 +85,7 @@ class CPGroup:
             # The fused kernel's is_causal: a mask only on my own block, the square's triangle (in
             # both splits another rank's chunks are wholly before or after each of my chunks).
             assert mask is None or torch.equal(k_pos, self.positions[self.rank])
-            if mask is not None:
-                mask = mask.to(device)
-            self.windows.append((first, keys, mask))
+            self.windows.append((first, keys, None if mask is None else mask.to(device)))
 
 
 # ---- the strategy: attention over key blocks, merged by log-sum-exp ------------------------
@@ -346,122 +342,44 @@ class CPGPT(GPT):
         return logits, loss
 
 
-# ---- the strategy: gradient buckets with overlapped all-reduce (as in ddp_train.py) ---------
-
-class Bucket:
-    """One flat gradient buffer; the .grad of each of its parameters is a view into it, so autograd
-    accumulates straight into the buffer and the all-reduce needs no copy in or out."""
-
-    def __init__(self, params):
-        self.params = params
-        numel = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        offset = 0
-        for p in params:
-            view = self.buffer[offset: offset + p.numel()].view_as(p)
-            if p.grad is not None:
-                view.copy_(p.grad)  # rebuilt mid-accumulation: keep what was accumulated
-            p.grad = view
-            offset += p.numel()
-        self.pending = len(params)  # gradients not yet accumulated in this backward
-        self.work = None            # the in-flight async all-reduce
-
+# ---- DP: the gradients summed over all N ranks after the step's last backward ---------------
 
 class GradientBuckets:
-    """Sums gradients over the ranks of `group` during backward: their mean, when each rank has
-    divided its loss by the number of ranks before backward.
-
-    Call `finish_backward()` after every backward. Set `require_sync = False` BEFORE the forward of
-    a micro-step that should only accumulate locally (gradient accumulation; DDP's no_sync): those
-    micro-steps send nothing, and the last micro-step's all-reduce carries the sum of them all."""
+    """Flat buffers of about bucket_cap_mb that the .grads are views of: autograd accumulates
+    straight into them, and the all-reduce needs no copy in or out. ddp_train.py also overlaps
+    them with backward; with the long sequences CP is for, a step's attention dwarfs this one
+    all-reduce of the gradients (docs/cp.md)."""
 
     def __init__(self, model, bucket_cap_mb, group=None):
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.cap = int(bucket_cap_mb * 2**20)  # bytes
-        self.group = group
-        self.require_sync = True
-        self.ready_order = []  # the order gradients became ready in the first backward
-        self._make_buckets(self.params[::-1])  # first guess: backward runs roughly in reverse
-        # The hook holds the buckets weakly: a parameter keeps its hooks in C++, out of sight of
-        # Python's garbage collector, so param -> hook -> buckets -> param would never be freed.
-        buckets = weakref.ref(self)
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(lambda p: buckets()._grad_ready(p))
+        self.group, self.buffers = group, []
+        bucket, size = [], 0
+        params = [p for p in model.parameters() if p.requires_grad][::-1]  # backward's order
+        for p in params + [None]:  # None: the end, which closes the last bucket
+            if bucket and (p is None or size + 4 * p.numel() > bucket_cap_mb * 2**20):
+                buffer = torch.zeros(size // 4, device=bucket[0].device)  # fp32
+                for q, view in zip(bucket, buffer.split([q.numel() for q in bucket])):
+                    q.grad = view.view_as(q)
+                self.buffers.append(buffer)
+                bucket, size = [], 0
+            if p is not None:
+                bucket.append(p)
+                size += 4 * p.numel()
 
-    def _make_buckets(self, order):
-        groups, current, size = [], [], 0
-        for p in order:
-            nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > self.cap:  # a tensor over the cap: a bucket of its own
-                groups.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        groups.append(current)
-        self.buckets = [Bucket(g) for g in groups]
-        self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
-        self.next = 0  # the next bucket to all-reduce: buckets go on the wire in index order
-
-    def _grad_ready(self, p):
-        # Runs inside backward, right after p.grad has been accumulated. A parameter used twice
-        # (the tied wte/lm_head) gets one call, with both paths already summed by autograd.
-        if self.ready_order is not None:
-            self.ready_order.append(p)
-        self.bucket_of[p].pending -= 1
-        # Every rank must issue the same all-reduces in the same order, so a full bucket waits for
-        # the ones before it (torch DDP's rule too); with buckets in ready order it rarely has to.
-        while self.require_sync and self.next < len(self.buckets):
-            if self.buckets[self.next].pending > 0:
-                break
-            self._all_reduce(self.buckets[self.next])
-
-    def _all_reduce(self, bucket):
-        # Sends the whole bucket (numel x 4 bytes in fp32) to every other rank and receives theirs,
-        # summed: each rank's gradients are already g/N (its loss was divided by N), so afterwards
-        # every rank holds the mean gradient. A SUM, not ReduceOp.AVG: gloo's AVG divides after the
-        # sum, one more pass over the bucket on the step's critical path for the last one (the
-        # tied wte's 25.7 MB; ~1% of a step here). Async: backward keeps computing earlier layers
-        # while it is on the wire.
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-        self.next += 1
-
-    def finish_backward(self):
-        """The one wait at the end of backward (on syncing micro-steps). Parameters that got no
-        gradient (unused in forward) keep a zero gradient; their buckets are reduced here, in order,
-        which is correct as long as every rank has the same unused parameters."""
-        while self.require_sync and self.next < len(self.buckets):
-            self._all_reduce(self.buckets[self.next])
-        for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-                bucket.work = None
-            bucket.pending = len(bucket.params)
-        self.next = 0
-        if self.ready_order is not None:
-            self._rebuild()
-
-    def _rebuild(self):
-        """After the first backward: buckets in the order the gradients became ready, so each bucket
-        fills and leaves as early as it can. Rank 0's order is broadcast (8 bytes a parameter):
-        every rank must build the same buckets, whatever order its own autograd happened to use."""
-        index = {p: i for i, p in enumerate(self.params)}
-        seen = [index[p] for p in dict.fromkeys(self.ready_order)]  # first readiness, no repeats
-        unseen = [i for i in range(len(self.params)) if i not in set(seen)]  # unused: at the end
-        order = torch.tensor(seen + unseen, device=self.params[0].device)
-        dist.broadcast(order, group=self.group, group_src=0)
-        self.ready_order = None
-        self._make_buckets([self.params[i] for i in order.tolist()])
+    def all_reduce(self):
+        # Each buffer (numel x 4 bytes) to every rank of the group, summed: every rank's
+        # gradients are already g/N (its loss was divided by N), so the sum is the mean.
+        works = [dist.all_reduce(flat, group=self.group, async_op=True) for flat in self.buffers]
+        with timers("all_reduce_wait"):
+            for work in works:
+                work.wait()
 
 
 class ContextParallel:
     """The strategy behind the few methods the training loop calls: CPGPT on every rank, each CP
-    rank on its positions of the DP rank's rows, gradients averaged over all N ranks by
-    GradientBuckets. Averaging over CP ranks as over DP ranks is right: every rank's loss is the
-    mean over the same number of tokens (B/D rows x T/cp positions), so the mean of the ranks'
-    gradients is the gradient of the mean over all B*T tokens."""
-    # The ranks over which the loop averages losses: all of them (equal token counts: the mean of
-    # their token means is the mean over all B*T tokens, train and eval).
-    dp_group = None
+    rank on its positions of the DP rank's rows. Every rank's loss is the mean over the same number
+    of tokens (B/D rows x T/cp positions), so the mean over all N = D x cp ranks, of the losses
+    and of the gradients (GradientBuckets), is that of the mean over all B*T tokens."""
+    dp_group = None  # the ranks over which the loop averages losses: all of them
 
     def __init__(self, config, args, device, state=None):
         self.args = args
@@ -489,26 +407,21 @@ class ContextParallel:
         optimizer = configure_optimizer(named, args.weight_decay, args.learning_rate, betas)
         if state is not None:  # a checkpoint's AdamW state, keyed by parameter name
             for name, p in self.model.named_parameters():
-                set_adamw_state(optimizer, p, state[name], self.to_device)
+                set_adamw_state(optimizer, p, state[name], lambda t: t.to(self.device, copy=True))
         return optimizer
-
-    def to_device(self, tensor):
-        return tensor.to(self.device, copy=True)
 
     def forward_backward(self, x, y, sync):
         """One micro-step on this rank's positions of x, y; returns the mean loss over them."""
-        self.buckets.require_sync = sync
         pos = self.cp.mine  # (T/cp,): this rank's positions, ascending
         with activations.first():
             with autocast(self.args, self.device):
                 _, loss = self.model(x[:, pos], y[:, pos], pos)
-            # Each micro-step is 1/A of this rank's rows, and each of the N = D x cp ranks holds
-            # an equal share of the tokens: with the loss divided by A*N, backward writes g/(A*N)
-            # and the buckets' plain sum over the ranks is the mean, with no pass over the
-            # gradients to divide them. N a power of 2: the same bits as dividing after the sum.
+            # Divided by A*N, backward writes g/(A*N): the buckets' plain sum over the N ranks is
+            # the mean, with no pass to divide (N a power of 2: the same bits as dividing after).
             N = dist.get_world_size(self.buckets.group)  # the ranks the buckets sum over
             (loss / (self.args.grad_accum_steps * N)).backward()
-        self.buckets.finish_backward()
+        if sync:  # the step's last micro-step: the earlier ones only accumulated
+            self.buckets.all_reduce()
         return loss.detach().float()
 
     @torch.no_grad()
@@ -521,15 +434,12 @@ class ContextParallel:
         return loss.float()
 
     def clip_grad_norm_(self, max_norm):
-        # The gradients are equal on every rank now: the global norm needs no communication. Every
-        # gradient is a view of a bucket, so the norm and the scaling take the flat buffers: the
-        # same elements, one tensor a bucket instead of one a parameter (a CPU foreach op runs
-        # one op per tensor).
-        return clip_grad_norm_(None, [b.buffer for b in self.buckets.buckets], max_norm)
+        # Equal gradients on every rank: no communication. The flat buffers hold the same
+        # elements as the .grads, one tensor a bucket (a CPU foreach op runs one op a tensor).
+        return clip_grad_norm_(None, self.buckets.buffers, max_norm)
 
     def full_state(self, optimizer):
-        """Every rank holds the full model, so nothing is gathered: rank 0 copies its state into
-        its CPU memory, one tensor at a time, and the other ranks keep nothing."""
+        """Nothing to gather: rank 0 copies its full state to the CPU, a tensor at a time."""
         if dist.get_rank() != 0:
             return None, None
         named = self.model.named_parameters()
@@ -539,7 +449,7 @@ class ContextParallel:
         dp_size, cp_size = self.grid.shape
         split = "zigzag" if self.args.load_balance else "contiguous"
         n_params = num_params(self.model) / 1e6
-        n_buckets = len(self.buckets.buckets)
+        n_buckets = len(self.buckets.buffers)
         return (f"DP {dp_size} x CP {cp_size} grid {self.grid.tolist()} (row = CP group), "
                 f"{self.args.cp_mode} attention, {split} split, {n_params:.2f}M params, "
                 f"{n_buckets} gradient buckets")

@@ -9,11 +9,11 @@ Memory per rank, fp32 (AdamW state: 8 bytes an element):
   stage 2:  4P params + 4P_own grads + 8P_own + the non-owned gradients in flight: <= 25 MiB.
   stage 3:  16P/N (owned params, grads, AdamW state) + the non-owned tensors fetched at the moment.
 What moves, per step of A micro-steps (bytes each rank hands to the collectives):
-  stage 1:  ddp_train.py's bucket all-reduces, overlapped with backward (4P); AdamW steps the
-            owned tensors only, then each owner broadcasts them (4P, one message: one flat buffer).
-  stage 2:  each gradient goes to its owner with an async reduce as soon as backward has
-            accumulated it, on every micro-step (A x 4P); a non-owner drops it once the reduce is
-            waited for. Then stage 1's broadcasts (4P).
+  stage 1:  on the step's last micro-step, each gradient goes to its owner with an async reduce
+            as soon as backward has accumulated it (4P); AdamW steps the owned tensors only, then
+            each owner broadcasts them (4P, one message: one flat buffer). DDP's traffic.
+  stage 2:  stage 1's reduces on every micro-step (A x 4P), a non-owner dropping each gradient
+            once its reduce is waited for. Then stage 1's broadcasts (4P).
   stage 3:  stage 2's reduces, and no broadcast after the step: before each module's forward its
             tensors are broadcast from their owners, the next module's already in flight
             (--prefetch); after it the non-owners free them, but the tied wte stays until the head.
@@ -36,7 +36,6 @@ The traffic against DDP's, the measurements and the design choices: docs/zero3.m
 """
 import os
 import time
-import weakref
 from collections import deque
 from functools import partial
 
@@ -53,7 +52,7 @@ from common.recompute import checkpoint_blocks
 import peers.torch_zero3
 
 
-# ---- stage 1: the AdamW state sharded; gradients in ddp_train.py's buckets (end of file) ----
+# ---- stage 1: the AdamW state sharded; each gradient reduced to its owner -------------------
 
 def partition(named_shapes, world_size):
     """{name: owner rank}, and the elements per rank. Greedy (LPT): largest tensor first, each onto
@@ -113,11 +112,62 @@ class OwnedAdamW(torch.optim.Optimizer):
                 work.wait()
 
 
+class ReduceToOwner:
+    """Each gradient reduced to its owner as soon as backward has it (module docstring). Hooks fire
+    in the same order on every rank, so all issue the same reduces. `sync = False`: not the step's
+    last micro-step. shard_grads False (stage 1): every rank keeps every gradient, and they go on
+    the last micro-step only. `owner`: {parameter: rank}; `masters`: {owned param: fp32 master}."""
+
+    def __init__(self, owner, rank, masters, reduce_bucket_bytes, shard_grads):
+        self.owner, self.masters, self.shard_grads = owner, masters, shard_grads
+        self.owned = [masters[p] for p, r in owner.items() if r == rank]
+        self.reduces = deque()  # (gradient, its in-flight reduce), oldest first
+        self.in_flight = 0  # the bytes of those gradients
+        self.window = reduce_bucket_bytes  # the most bytes in flight
+        self.sync = True
+        self.first_micro_step = True  # the next backward's gradients replace zero_grad's zeros
+        for p in owner:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _grad_ready(self, p):
+        if not (self.sync or self.shard_grads):
+            return  # stage 1: the gradient accumulates here until the step's last micro-step
+        # Each rank sends p's fp32 gradient (numel x 4 bytes; tied wte: once, both uses summed) to
+        # the owner, which receives the sum; the owner's holds the earlier micro-steps' sums too.
+        grad = p.grad.float()  # bf16: an fp32 copy; fp32: p.grad itself
+        master = self.masters.get(p)
+        if master is not p and self.shard_grads:  # a non-owner's p.grad goes (its reduce holds it)
+            p.grad = None
+            if master is not None and self.first_micro_step:  # bf16: the owner's fp32 master
+                master.grad = grad  # in place of zero_grad's zeros: no pass to add them
+            elif master is not None:
+                grad = master.grad.add_(grad)  # the sum so far goes to the reduce
+        # At most `window` bytes in flight (DeepSpeed's reduce_bucket_size): wait for the oldest.
+        nbytes = grad.numel() * grad.element_size()
+        while self.reduces and self.in_flight + nbytes > self.window:
+            self._wait_oldest()
+        self.reduces.append((grad, dist.reduce(grad, dst=self.owner[p], async_op=True)))
+        self.in_flight += nbytes
+
+    def _wait_oldest(self):
+        # CUDA: the compute stream waits; the gradient's memory serves the kernels queued after.
+        grad, work = self.reduces.popleft()
+        with timers("reduce_wait"):  # exposed communication: what the overlap did not hide
+            work.wait()
+        self.in_flight -= grad.numel() * grad.element_size()
+
+    def finish_backward(self):
+        """Wait for the gradient reduces: each owner holds the sum of its gradients now."""
+        while self.reduces:
+            self._wait_oldest()
+        self.first_micro_step = self.sync  # after the step's last, a step starts
+
+
 class ZeRO1:
     """Stage 1 behind the loop's methods: the whole GPT and every gradient on every rank, as in DDP;
-    OwnedAdamW keeps the owned tensors' AdamW state. Stages 2, 3: build_model, reduce_gradients."""
+    OwnedAdamW keeps the owned tensors' AdamW state. Stages 2, 3: build_model, sharded."""
     dp_group = None  # the ranks that split the batch: all of them
-    bucket_cap_mb = 25  # GradientBuckets' size, and stage 2's window: DDP's default
+    bucket_cap_mb = 25  # the gradients in flight at most: DDP's bucket size
     sharded = "AdamW state"  # what describe() says is owned
 
     def __init__(self, config, args, device, state=None):
@@ -134,7 +184,8 @@ class ZeRO1:
         named = list(self.model.named_parameters())
         self.owner = {p: owner[n] for n, p in named}  # parameter -> its rank
         self.kept = [(n, self.masters[p]) for n, p in named if p in self.masters]  # AdamW's
-        self.reduce_gradients()
+        window = int(self.bucket_cap_mb * 2**20)  # bytes
+        self.reducer = ReduceToOwner(self.owner, self.rank, self.masters, window, args.stage > 1)
 
     def assign_owners(self, named_shapes):
         """partition() over the ranks: {name: owner rank}, which rank 0 prints."""
@@ -151,11 +202,6 @@ class ZeRO1:
         masters = {p: p for name, p in model.named_parameters() if owner[name] == self.rank}
         return model, masters
 
-    def reduce_gradients(self):
-        self.buckets = GradientBuckets(self.model, self.bucket_cap_mb)
-        # Unlike ddp_train.py, no rebuild: this GPT's first guess is its ready order (tests).
-        self.buckets.ready_order = None
-
     def configure_optimizer(self, args, state=None):
         optimizer = OwnedAdamW(self.model.named_parameters(), self.kept, self.owner, args)
         self.load_adamw_state(optimizer, state)
@@ -171,15 +217,13 @@ class ZeRO1:
         return full.to(self.device, copy=True)
 
     def forward_backward(self, x, y, sync):
-        """One micro-step; returns its loss. sync=False: accumulate only (set before forward)."""
-        self.buckets.require_sync = sync
+        """One micro-step; returns its loss. sync: the step's last micro-step."""
+        self.reducer.sync = sync
         with activations.first(), autocast(self.args, self.device):  # the bytes kept for backward
             _, loss = self.model(x, y)
-        # Loss / (A*N): the buckets' plain sum over the ranks is the mean (docs/zero3.md).
-        N = dist.get_world_size(self.buckets.group)  # the ranks the buckets sum over
-        (loss / (self.args.grad_accum_steps * N)).backward()
-        with timers("all_reduce_wait"):  # exposed communication: what the overlap did not hide
-            self.buckets.finish_backward()
+        # Loss / (A*N): the reduces' plain sums over the ranks are the mean (docs/zero3.md).
+        (loss / (self.args.grad_accum_steps * self.world_size)).backward()
+        self.reducer.finish_backward()
         return loss.detach().float()
 
     @torch.no_grad()
@@ -210,71 +254,10 @@ class TorchZeRO1(peers.torch_zero3.TorchZeRO1, ZeRO1):
 
 # ---- stage 2: the gradients sharded too, each reduced to its owner -------------------------
 
-class ReduceToOwner:
-    """Stage 2's (and 3's) gradient reduces (module docstring). Hooks fire in the same order on
-    every rank, so all issue the same reduces. `sync = False`: not the step's last micro-step.
-    `owner`: {parameter: rank}; `masters`: {owned parameter: its fp32 master}."""
-
-    def __init__(self, owner, rank, masters, reduce_bucket_bytes):
-        self.owner, self.masters = owner, masters
-        self.owned = [masters[p] for p, r in owner.items() if r == rank]
-        self.reduces = deque()  # (gradient, its in-flight reduce), oldest first
-        self.in_flight = 0  # the bytes of those gradients
-        self.window = reduce_bucket_bytes  # the most bytes in flight
-        self.sync = True
-        self.first_micro_step = True  # the next backward's gradients replace zero_grad's zeros
-        for p in owner:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
-
-    def _grad_ready(self, p):
-        # Each rank sends p's fp32 gradient (numel x 4 bytes; tied wte: once, both uses summed) to
-        # the owner, which receives the sum; the owner's holds the earlier micro-steps' sums too.
-        grad = p.grad.float()  # bf16: an fp32 copy; fp32: p.grad itself
-        master = self.masters.get(p)
-        if master is not p:  # a non-owner's p.grad goes (the reduce holds it), and a bf16 one
-            p.grad = None
-            if master is not None and self.first_micro_step:  # bf16: the owner's fp32 master
-                master.grad = grad  # in place of zero_grad's zeros: no pass to add them
-            elif master is not None:
-                grad = master.grad.add_(grad)  # the sum so far goes to the reduce
-        # At most `window` bytes in flight (DeepSpeed's reduce_bucket_size): wait for the oldest.
-        nbytes = grad.numel() * grad.element_size()
-        while self.reduces and self.in_flight + nbytes > self.window:
-            self._wait_oldest()
-        self.reduces.append((grad, dist.reduce(grad, dst=self.owner[p], async_op=True)))
-        self.in_flight += nbytes
-
-    def _wait_oldest(self):
-        # CUDA: the compute stream waits; the gradient's memory serves the kernels queued after.
-        grad, work = self.reduces.popleft()
-        with timers("reduce_wait"):  # exposed communication: what the overlap did not hide
-            work.wait()
-        self.in_flight -= grad.numel() * grad.element_size()
-
-    def finish_backward(self):
-        """Wait for the gradient reduces; afterwards no rank holds a non-owned gradient."""
-        while self.reduces:
-            self._wait_oldest()
-        self.first_micro_step = self.sync  # after the step's last, a step starts
-
-
 class ZeRO2(ZeRO1):
-    """Stage 2: ZeRO1 with ReduceToOwner in place of GradientBuckets."""
+    """Stage 2: ZeRO1 whose ReduceToOwner reduces on every micro-step (shard_grads), so that a
+    non-owner can drop each gradient as soon as its reduce is done."""
     sharded = "AdamW state and gradients"
-
-    def reduce_gradients(self):
-        window = int(self.bucket_cap_mb * 2**20)  # bytes: one DDP bucket in flight, at most
-        self.reducer = ReduceToOwner(self.owner, self.rank, self.masters, window)
-
-    def forward_backward(self, x, y, sync):
-        """One micro-step; returns its loss. sync: the step's last micro-step."""
-        self.reducer.sync = sync
-        with activations.first(), autocast(self.args, self.device):  # the bytes kept for backward
-            _, loss = self.model(x, y)
-        # As in stage 1: loss / (A*N) makes the reduces' plain sums the mean.
-        (loss / (self.args.grad_accum_steps * self.world_size)).backward()
-        self.reducer.finish_backward()
-        return loss.detach().float()
 
 
 # ---- stage 3: the parameters sharded too, fetched around each module -------------------------
@@ -582,113 +565,6 @@ def print_partition(owner, load):
     if 0 in [owners.count(r) for r in range(len(load))]:
         print(f"warning: some of the {len(load)} ranks own no tensor (fewer tensors than ranks, "
               "or one tensor dominates); they only receive broadcasts", flush=True)
-
-
-# ---- stage 1's gradient sync: ddp_train.py's buckets, the same text (read the lesson there) --
-
-class Bucket:
-    """One flat gradient buffer; the .grad of each of its parameters is a view into it, so autograd
-    accumulates straight into the buffer and the all-reduce needs no copy in or out."""
-
-    def __init__(self, params):
-        self.params = params
-        numel = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        offset = 0
-        for p in params:
-            view = self.buffer[offset: offset + p.numel()].view_as(p)
-            if p.grad is not None:
-                view.copy_(p.grad)  # rebuilt mid-accumulation: keep what was accumulated
-            p.grad = view
-            offset += p.numel()
-        self.pending = len(params)  # gradients not yet accumulated in this backward
-        self.work = None            # the in-flight async all-reduce
-
-
-class GradientBuckets:
-    """Sums gradients over the ranks of `group` during backward: their mean, when each rank has
-    divided its loss by the number of ranks before backward.
-
-    Call `finish_backward()` after every backward. Set `require_sync = False` BEFORE the forward of
-    a micro-step that should only accumulate locally (gradient accumulation; DDP's no_sync): those
-    micro-steps send nothing, and the last micro-step's all-reduce carries the sum of them all."""
-
-    def __init__(self, model, bucket_cap_mb, group=None):
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.cap = int(bucket_cap_mb * 2**20)  # bytes
-        self.group = group
-        self.require_sync = True
-        self.ready_order = []  # the order gradients became ready in the first backward
-        self._make_buckets(self.params[::-1])  # first guess: backward runs roughly in reverse
-        # The hook holds the buckets weakly: a parameter keeps its hooks in C++, out of sight of
-        # Python's garbage collector, so param -> hook -> buckets -> param would never be freed.
-        buckets = weakref.ref(self)
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(lambda p: buckets()._grad_ready(p))
-
-    def _make_buckets(self, order):
-        groups, current, size = [], [], 0
-        for p in order:
-            nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > self.cap:  # a tensor over the cap: a bucket of its own
-                groups.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        groups.append(current)
-        self.buckets = [Bucket(g) for g in groups]
-        self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
-        self.next = 0  # the next bucket to all-reduce: buckets go on the wire in index order
-
-    def _grad_ready(self, p):
-        # Runs inside backward, right after p.grad has been accumulated. A parameter used twice
-        # (the tied wte/lm_head) gets one call, with both paths already summed by autograd.
-        if self.ready_order is not None:
-            self.ready_order.append(p)
-        self.bucket_of[p].pending -= 1
-        # Every rank must issue the same all-reduces in the same order, so a full bucket waits for
-        # the ones before it (torch DDP's rule too); with buckets in ready order it rarely has to.
-        while self.require_sync and self.next < len(self.buckets):
-            if self.buckets[self.next].pending > 0:
-                break
-            self._all_reduce(self.buckets[self.next])
-
-    def _all_reduce(self, bucket):
-        # Sends the whole bucket (numel x 4 bytes in fp32) to every other rank and receives theirs,
-        # summed: each rank's gradients are already g/N (its loss was divided by N), so afterwards
-        # every rank holds the mean gradient. A SUM, not ReduceOp.AVG: gloo's AVG divides after the
-        # sum, one more pass over the bucket on the step's critical path for the last one (the
-        # tied wte's 25.7 MB; ~1% of a step here). Async: backward keeps computing earlier layers
-        # while it is on the wire.
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-        self.next += 1
-
-    def finish_backward(self):
-        """The one wait at the end of backward (on syncing micro-steps). Parameters that got no
-        gradient (unused in forward) keep a zero gradient; their buckets are reduced here, in order,
-        which is correct as long as every rank has the same unused parameters."""
-        while self.require_sync and self.next < len(self.buckets):
-            self._all_reduce(self.buckets[self.next])
-        for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-                bucket.work = None
-            bucket.pending = len(bucket.params)
-        self.next = 0
-        if self.ready_order is not None:
-            self._rebuild()
-
-    def _rebuild(self):
-        """After the first backward: buckets in the order the gradients became ready, so each bucket
-        fills and leaves as early as it can. Rank 0's order is broadcast (8 bytes a parameter):
-        every rank must build the same buckets, whatever order its own autograd happened to use."""
-        index = {p: i for i, p in enumerate(self.params)}
-        seen = [index[p] for p in dict.fromkeys(self.ready_order)]  # first readiness, no repeats
-        unseen = [i for i in range(len(self.params)) if i not in set(seen)]  # unused: at the end
-        order = torch.tensor(seen + unseen, device=self.params[0].device)
-        dist.broadcast(order, group=self.group, group_src=0)
-        self.ready_order = None
-        self._make_buckets([self.params[i] for i in order.tolist()])
 
 
 if __name__ == "__main__":

@@ -100,7 +100,11 @@ def _bucket_traffic(rank, world_size, script):
             calls.clear()
     finally:
         dist.all_reduce = original
-    buckets = [(str(b.buffer.dtype), b.buffer.numel()) for b in strategy.buckets.buckets]
+    if script == "ddp_train.py":
+        flats = [bucket.buffer for bucket in strategy.buckets.buckets]
+    else:  # cp's buckets are their flat buffers
+        flats = strategy.buckets.buffers
+    buckets = [(str(flat.dtype), flat.numel()) for flat in flats]
     params = list(strategy.model.parameters())
     return per_micro_step, buckets, {str(p.grad.dtype) for p in params}, sum(p.numel() for p in params)
 

@@ -1,4 +1,4 @@
-"""zero3_train.py: partition, stage 1's buckets (no rebuild needed), gradients equal to one process, memory and
+"""zero3_train.py: partition, gradients equal to one process, memory and
 communication ledgers, bf16 (what autograd saves, half the broadcast bytes), checkpoint round trip, more ranks than
 tensors, bad input;
 stages 1 and 2 and stage 1's peer (DDP + ZeroRedundancyOptimizer): one step equal to one process, memory and
@@ -9,7 +9,6 @@ import re
 import shutil
 import weakref
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from common.config import parse_args
 from common.data import get_batch
 from common.metrics import activations, held_bytes, model_state_bytes
 from common.model import GPT, PRESETS, GPTConfig, configure_optimizer, init_tensor, num_params
-from zero3_tuning_train import (STAGES, GradientBuckets, ParamFetcher, ReduceToOwner, ZeRO1, ZeRO2, ZeRO3, add_zero3_flags,
+from zero3_tuning_train import (STAGES, ParamFetcher, ReduceToOwner, ZeRO1, ZeRO2, ZeRO3, add_zero3_flags,
                          gather_full_state, materialize_owned_, partition)
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)  # wte is 97% of P
@@ -43,7 +42,7 @@ def _build(rank, world_size, config, threshold, prefetch=True, reuse=0, dtype=to
     values = {n: init_tensor(n, p.shape, config, 0) for n, p in model.named_parameters() if owner[n] in (None, rank)}
     masters = materialize_owned_(model, owner, rank, values, torch.device("cpu"), dtype)
     by_param = {p: owner[n] for n, p in model.named_parameters()}
-    reducer = ReduceToOwner(by_param, rank, masters, 25 * 2**20)
+    reducer = ReduceToOwner(by_param, rank, masters, 25 * 2**20, True)
     return model, reducer, ParamFetcher(model, by_param, rank, masters, prefetch, reuse)
 
 
@@ -114,26 +113,7 @@ def test_partition_worked_by_hand():
     assert max(load) <= 1.1 * sum(load) / 2  # no dominant tensor: within 10% of the mean
 
 
-# ---- stage 1's buckets ---------------------------------------------------------------------------
-
-@pytest.mark.parametrize("config", [CONFIG, BALANCED, PRESETS["small"], PRESETS["gpt2"]],
-                         ids=["tiny", "balanced", "small", "gpt2"])
-def test_stage_1_buckets_need_no_rebuild(config):
-    """ZeRO1 keeps GradientBuckets' first guess (reverse registration order) and skips ddp_train.py's rebuild: at
-    its bucket size, for this GPT, the buckets built from the measured ready order hold the same tensors, bucket for
-    bucket (in another order within a bucket: for 2 ranks the same sums)."""
-    model = GPT(config, seed=0)
-    buckets = GradientBuckets(model, ZeRO1.bucket_cap_mb)
-    guess = [{id(p) for p in bucket.params} for bucket in buckets.buckets]
-    buckets.require_sync = False  # accumulate only: one process, nothing to send
-    x, y = get_batch("train", 0, 2, 16, seed=0)  # 16 tokens: the order does not depend on the length
-    model(x % config.vocab_size, y % config.vocab_size)[1].backward()
-    buckets._make_buckets(list(dict.fromkeys(buckets.ready_order)))  # what the rebuild would build
-    assert [{id(p) for p in bucket.params} for bucket in buckets.buckets] == guess
-    print(f"{num_params(model):,} params: {len(guess)} buckets of {ZeRO1.bucket_cap_mb} MiB")
-
-
-# ---- stages 2 and 3: the gradients in flight stay within --reduce_bucket_mb ------------------------------
+# ---- the gradients in flight stay within --reduce_bucket_mb ------------------------------------
 
 class HostRunsAhead:
     """A reduce as the host sees it on CUDA: wait() returns at once (the stream waits, not the host) and the host,
@@ -169,7 +149,7 @@ def _in_flight(monkeypatch, window_bytes):
 
     monkeypatch.setattr(dist, "reduce", collective)
     monkeypatch.setattr(dist, "all_reduce", collective)
-    reducer = ReduceToOwner(by_param, 0, masters, window_bytes)
+    reducer = ReduceToOwner(by_param, 0, masters, window_bytes, True)
     x, y = _rows(0, 2, BALANCED)
     model(x, y)[1].backward()
     reducer.finish_backward()
@@ -192,13 +172,6 @@ def test_gradients_in_flight_stay_within_the_reduce_window(monkeypatch, window_m
     if window >= total:
         assert max(alive) == total  # nothing waited for before finish_backward
     print(f"window {window:,} B: at most {max(alive):,} of {total:,} B of non-owned gradients alive")
-
-
-def test_reduce_bucket_mb_is_the_window():
-    strategy = SimpleNamespace(args=parse_args("zero3", add_zero3_flags, ["--reduce_bucket_mb", "0.5"]), owner={},
-                               rank=0, masters={})
-    ZeRO2.reduce_gradients(strategy)  # what stages 2 and 3 build
-    assert strategy.reducer.window == 2**19
 
 
 # ---- every distributed check runs in one pair of spawned gloo ranks (starting them is the slow part)
@@ -575,6 +548,7 @@ def test_stage_3_peer_checkpoint_gathers_a_tensor_at_a_time_into_rank_0s_cpu(ran
 STAGE_CASES = [("custom", 1, 0, 1), ("custom", 1, SMALL_TENSORS, 2), ("custom", 2, 0, 1), ("custom", 2, SMALL_TENSORS, 2),
                ("pytorch", 1, 0, 1)]  # (implementation, stage, --persistence_threshold, --grad_accum_steps)
 STAGE_LR = 1e-2  # the decoupled weight decay (lr x 0.1 x w) moves a weight by more than the 1e-6 tolerance
+STAGE_WINDOW_MB = 0.5  # --reduce_bucket_mb of the custom stages: the reducer's window is its bytes
 
 
 def _storage_bytes(tensors):
@@ -583,9 +557,10 @@ def _storage_bytes(tensors):
 
 
 def _stage_step(rank, world_size, implementation, stage, threshold, accum):
+    window = ["--reduce_bucket_mb", str(STAGE_WINDOW_MB)] if implementation == "custom" else []  # DDP's own
     args = parse_args("zero3", add_zero3_flags, ["--stage", str(stage), "--implementation", implementation, "--seed",
                                                  "0", "--learning_rate", str(STAGE_LR), "--grad_accum_steps",
-                                                 str(accum), "--persistence_threshold", str(threshold)])
+                                                 str(accum), "--persistence_threshold", str(threshold)] + window)
     strategy = STAGES[implementation][stage](BALANCED, args, torch.device("cpu"))
     optimizer = strategy.configure_optimizer(args)
     model, (x, y), micro = strategy.model, _rows(rank, world_size, BALANCED), 8 // world_size // accum
@@ -598,7 +573,7 @@ def _stage_step(rank, world_size, implementation, stage, threshold, accum):
         optimizer.step()
     moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
     full = strategy.full_state(optimizer)[1] if implementation == "pytorch" else None  # collective
-    return dict(sent=sent, norm=norm.item(), params={n: p.detach().clone() for n, p in model.named_parameters()},
+    return dict(sent=sent, norm=norm.item(), window=getattr(getattr(strategy, "reducer", None), "window", None), params={n: p.detach().clone() for n, p in model.named_parameters()},
                 param_bytes=_storage_bytes(model.parameters()), grad_bytes=grads, adamw_bytes=held_bytes(moments),
                 model_state=model_state_bytes(optimizer), kept=sorted(names[p] for p in optimizer.state),
                 state={names[p]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()},
@@ -644,19 +619,19 @@ def test_stage_ledgers(ranks, one_process_step, case):
         assert r["grad_bytes"] == (P if stage == 1 else kept)
         assert r["adamw_bytes"] == 2 * kept
         assert r["model_state"] == r["param_bytes"] + r["grad_bytes"] + r["adamw_bytes"] + 4 * len(r["kept"])
-        # communication per step: stage 1 all-reduces the 4P of gradients once a step, whatever the
-        # accumulation; stage 2 reduces each partitioned gradient to its owner on every micro-step and all-reduces
-        # the persistent ones once; both end with one broadcast per owner of its updated tensors (the norm: 4 bytes)
+        # communication per step: stage 1 reduces each partitioned gradient to its owner once a step, whatever the
+        # accumulation, stage 2 on every micro-step; both all-reduce the persistent ones once, and end with one
+        # broadcast per owner of its updated tensors (the logged loss: 4 bytes); the window is --reduce_bucket_mb
         sent, owned = r["sent"], {n for n in sizes if n in r["kept"] and n not in persistent}
         partitioned = [n for n in sizes if n not in persistent]
         owners = [q for q in results if any(n not in persistent for n in q["kept"])]
         assert sent["broadcast"] == [sum(sizes[n] for n in q["kept"] if n not in persistent) for q in owners]
         assert sum(sent["broadcast"]) == sum(sizes[n] for n in partitioned)
-        if stage == 1 and implementation == "custom":
-            assert sent["all_reduce"][-1] == 4 and sum(sent["all_reduce"][:-1]) == P and sent["reduce"] == []
-        elif stage == 2:
-            assert sorted(sent["reduce"]) == sorted(accum * [sizes[n] for n in partitioned])
+        if implementation == "custom":
+            reduces = 1 if stage == 1 else accum
+            assert sorted(sent["reduce"]) == sorted(reduces * [sizes[n] for n in partitioned])
             assert sorted(sent["all_reduce"]) == sorted([4] + [sizes[n] for n in persistent])
+            assert r["window"] == int(STAGE_WINDOW_MB * 2**20)
         else:  # DDP's all-reduces run in its C++ reducer, out of sight of the wrapped Python collectives
             assert sent["all_reduce"] == [4] and sent["reduce"] == []
         print(f"{case} rank {rank}: params {r['param_bytes']:,} grads {r['grad_bytes']:,} AdamW {r['adamw_bytes']:,} "
@@ -725,8 +700,6 @@ def test_stage_2_has_no_pytorch_peer_and_stage_3_flags_need_stage_3(tmp_path, mo
     assert error.startswith("error: --stage: 2 has no PyTorch peer")
     error = refusal("zero3_tuning_train.py", None, args + ["--stage", "1", "--max_reuse_distance", "0"], monkeypatch, capsys)
     assert error == "error: --max_reuse_distance: 0 applies to --stage 3 only"
-    error = refusal("zero3_tuning_train.py", None, args + ["--stage", "1", "--reduce_bucket_mb", "10"], monkeypatch, capsys)
-    assert error == "error: --reduce_bucket_mb: 10 applies to --stage 2 and 3 only"
 
 
 BAD_INPUT = [(["--prefetch", "false"], "--prefetch: false"),
