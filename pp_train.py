@@ -108,12 +108,12 @@ class Stage(nn.Module):
 
 # ---- the strategy: the schedules, as data ----------------------------------------------------
 
-def schedule_actions(schedule, rank, pp_size, microbatches, n_chunks=1):
+def schedule_actions(schedule, rank, pp_size, M, n_chunks=1):
     """The ordered actions of `rank` for one batch: (op, microbatch, chunk) with op "F" or "B";
     chunk c of rank r is global stage c*pp_size + r. A pure function, so tests can check orders.
     Every schedule is: warm-up forwards, then one forward one backward, then the remaining
     backwards; they differ in the warm-up."""
-    total = microbatches * n_chunks
+    total = M * n_chunks
     to_last = pp_size - rank - 1  # d: how many ranks come after this one
 
     def microbatch(k):  # of the k-th forward: pp_size micro-batches through chunk 0, the same

@@ -118,13 +118,13 @@ class Stage(nn.Module):
 
 # ---- the strategy: the schedules, as data ----------------------------------------------------
 
-def schedule_actions(schedule, rank, pp_size, microbatches, n_chunks=1, vocab_parallel=False):
+def schedule_actions(schedule, rank, pp_size, M, n_chunks=1, vocab_parallel=False):
     """The ordered actions of `rank` for one batch: (op, microbatch, chunk) with op "F" or "B", and
     with --vocab_parallel ("L", microbatch, 0): the micro-batch's vocabulary pass, forward and
     backward, on every rank; chunk c of rank r is global stage c*pp_size + r. A pure function, so
     tests can check orders. Every schedule is: warm-up forwards, then one forward one backward,
     then the remaining backwards; they differ in the warm-up."""
-    total = microbatches * n_chunks
+    total = M * n_chunks
     to_last = pp_size - rank - 1  # d: how many ranks come after this one
 
     def microbatch(k):  # of the k-th forward: pp_size micro-batches through chunk 0, the same
@@ -141,7 +141,7 @@ def schedule_actions(schedule, rank, pp_size, microbatches, n_chunks=1, vocab_pa
         # timetable: the same order everywhere, and no rank reaches it much before the others.
         plain = []
         for other in range(pp_size):
-            plain.append(schedule_actions(schedule, other, pp_size, microbatches, n_chunks))
+            plain.append(schedule_actions(schedule, other, pp_size, M, n_chunks))
         table = timetable(plain, pp_size * n_chunks)
         actions = []
         for mine, last in zip(table[rank], table[-1]):
@@ -171,8 +171,8 @@ def schedule_actions(schedule, rank, pp_size, microbatches, n_chunks=1, vocab_pa
     # F(k+d), B(k-d) in the time of one such cycle: its F(k+d) is the input of the stage after it
     # in the next cycle, its B(k-d) the gradient the stage after it sent the cycle before. So L(k)
     # goes before F(k+d), or B(k-d) once the forwards are done.
-    for k in range(microbatches):
-        if 0 < to_last and k + to_last < microbatches:
+    for k in range(M):
+        if 0 < to_last and k + to_last < M:
             before = forward(k + to_last)
         else:
             before = backward(max(k - to_last, 0))

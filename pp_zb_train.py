@@ -183,12 +183,12 @@ def defer_weight_grads(chunk, store):
 
 # ---- the strategy: the schedules, as data ----------------------------------------------------
 
-def schedule_actions(schedule, rank, pp_size, microbatches, n_chunks=1):
+def schedule_actions(schedule, rank, pp_size, M, n_chunks=1):
     """The ordered actions of `rank` for one batch: (op, microbatch, chunk) with op "F" or "B" (or
     W, zb1p and zbv); chunk c of rank r is global stage c*pp_size + r. A pure function, so tests
     can check orders. Every schedule is: warm-up forwards, then one forward one backward, then the
     remaining backwards; they differ in the warm-up."""
-    total = microbatches * n_chunks
+    total = M * n_chunks
     to_last = pp_size - rank - 1  # d: how many ranks come after this one
 
     def microbatch(k):  # of the k-th forward: pp_size micro-batches through chunk 0, the same
@@ -201,9 +201,9 @@ def schedule_actions(schedule, rank, pp_size, microbatches, n_chunks=1):
         return ("B", microbatch(k), n_chunks - 1 - k // pp_size % n_chunks)
 
     if schedule == "zb1p":
-        return zero_bubble_h1(pp_size, microbatches, rank)
+        return zero_bubble_h1(pp_size, M, rank)
     if schedule == "zbv":
-        return zero_bubble_v(pp_size, microbatches)[rank]
+        return zero_bubble_v(pp_size, M)[rank]
     # The warm-up: the forwards before the first backward.
     if schedule == "gpipe":  # all of them
         warmup = total
@@ -219,26 +219,26 @@ def schedule_actions(schedule, rank, pp_size, microbatches, n_chunks=1):
     actions += [backward(k) for k in range(total - warmup, total)]
     return actions
 
-def zero_bubble_h1(pp_size, microbatches, rank):
+def zero_bubble_h1(pp_size, M, rank):
     """ZB-H1's actions for `rank` (chunk 0): 1F1B with each backward split into B and W, and W held
     back. With p ranks and m micro-batches, rank r warms up with p-r forwards (one more than
     1F1B), then runs B(k), W(k-r) and the next F, and at the end the r W's it held back. On a clock
     of equal F, B and W steps the first rank never waits after its warm-up, and with m >= p the
     step takes 3m + p - 1 steps, 1F1B's 3m + 3(p-1) less 2(p-1) (tests/test_pp.py). Live
     micro-batches (F done, W not yet): at most p on every rank."""
-    warmup = min(pp_size - rank, microbatches)
+    warmup = min(pp_size - rank, M)
     actions = [("F", k, 0) for k in range(warmup)]
-    for k in range(microbatches):
+    for k in range(M):
         actions.append(("B", k, 0))
         if k >= rank:  # rank r's W lags r micro-batches: it fills r waits of the cool-down
             actions.append(("W", k - rank, 0))
-        if warmup + k < microbatches:
+        if warmup + k < M:
             actions.append(("F", warmup + k, 0))
-    actions += [("W", k, 0) for k in range(max(microbatches - rank, 0), microbatches)]
+    actions += [("W", k, 0) for k in range(max(M - rank, 0), M)]
     return actions
 
 
-def zero_bubble_v(pp_size, microbatches):
+def zero_bubble_v(pp_size, M):
     """ZB-V's actions for every rank, by list scheduling on a clock of equal F, B and W steps (each
     a chunk's: half a stage of ZB-H1's): in each step every rank runs the first that can run of a B
     (its output's gradient has come; the later chunk first), an F (its input has come, and fewer
@@ -255,7 +255,7 @@ def zero_bubble_v(pp_size, microbatches):
 
     def came(op, mb, stage):  # stage's op(mb) ran in an earlier step; stage None: no input needed
         return stage is None or done.get((op, mb, stage), step) < step
-    while any(len(order) < 6 * microbatches for order in orders):
+    while any(len(order) < 6 * M for order in orders):
         chosen = []
         for rank in range(pp_size):
             pick = None
@@ -270,7 +270,7 @@ def zero_bubble_v(pp_size, microbatches):
                 stage = stage_index(rank, chunk, pp_size, True)
                 k = next_f[rank][chunk]
                 before = stage - 1 if stage > 0 else None
-                if (pick is None and k < microbatches and live[rank] < 2 * pp_size
+                if (pick is None and k < M and live[rank] < 2 * pp_size
                         and came("F", k, before)):
                     pick = ("F", k, chunk)
             if pick is None and waiting_w[rank]:

@@ -287,7 +287,7 @@ class ParamFetcher:
     the same `fetched`, so all issue the same broadcasts. `owner`: {parameter: rank}; `masters`:
     materialize_owned_'s."""
 
-    def __init__(self, model, owner, rank, masters, prefetch=True, max_reuse_distance=10**9):
+    def __init__(self, model, owner, rank, masters, prefetch=True):
         self.rank, self.masters, self.prefetch = rank, masters, prefetch
         self.units = [model.transformer.wte, model.transformer.wpe, *model.transformer.h,
                       model.transformer.ln_f, model.lm_head]  # the modules, in forward order
@@ -300,14 +300,11 @@ class ParamFetcher:
             for r in sorted({owner[p] for p in unit.parameters()}):
                 buffers.append(self._buffer([p for p in unit.parameters() if owner[p] == r], r))
             self.unit_buffers.append(buffers)
-        # Module i's forward keeps (keep[i]) the buffers a later module j uses again, when at most
-        # max_reuse_distance elements (DeepSpeed's default) are fetched in between: the tied wte.
-        sizes = [sum(flat.numel() for flat in buffers) for buffers in self.unit_buffers]
+        # Module i's forward keeps (keep[i]) the buffers a later module uses again: the tied wte.
         self.keep = []
         for i, buffers in enumerate(self.unit_buffers):
-            near = [j for j in range(i + 1, len(sizes))
-                    if sum(sizes[i + 1:j]) <= max_reuse_distance]
-            self.keep.append({b for j in near for b in set(buffers) & set(self.unit_buffers[j])})
+            later = {flat for unit in self.unit_buffers[i + 1:] for flat in unit}
+            self.keep.append(set(buffers) & later)
         # an embedding lookup's backward reads no weight: only the others are fetched again
         lookups = [i for i, unit in enumerate(self.units) if isinstance(unit, torch.nn.Embedding)]
         self.backward_order = [i for i in reversed(range(len(self.units))) if i not in lookups]
