@@ -3,20 +3,13 @@
 The N ranks form a grid, ranks = arange(N).view(dp, pp, cp, tp): each axis is a process group of
 the ranks that differ in that coordinate only. TP varies fastest (tp consecutive ranks, one node's
 fast links: it talks in every block), then CP, PP, and DP outermost, across nodes, once a step
-(torchtitan's and Megatron's order). Each part is its script's, shortened; read the lesson there:
-  TP (tp_train.py)   Megatron's f and g around the column- and row-parallel linears; embedding,
-                     tied head and loss split by vocabulary. --sequence_parallel: the activations
-                     between the linears split by sequence.
-  CP (cp_train.py)   each CP rank holds T/cp positions of every row (zigzag: chunks r and 2cp-1-r);
-                     attention passes K, V round a ring, those of a TP rank's heads only.
-  PP (pp_train.py)   the blocks cut into pp stages, run by 1F1B over --n_microbatches. A message
-                     is this rank's piece of the activation, its T/cp positions (with SP 1/tp of
-                     those), sent to the same (dp, cp, tp) place on the next stage.
-  DP (ddp_train.py)  gradients averaged over the dp x cp ranks of a (pp, tp) place: each holds an
-                     equal share of the tokens, so their mean gradient is that of the mean loss.
-  The tie            wte on the first stage, lm_head on the last, both split by vocabulary over
-                     TP: the two ends of each (dp, cp, tp) place sum their gradients.
-Per rank, P parameters, L blocks a stage, b rows a micro-batch, C = n_embd, 4 bytes a number:
+(torchtitan's and Megatron's order). Each part is its script's, shortened (the lesson is there):
+TP (tp_train.py: Megatron's f and g, vocabulary-parallel embedding, head and loss, and SP:
+--sequence_parallel), CP (cp_train.py's ring, zigzag split, over a TP rank's heads only), PP
+(pp_train.py's 1F1B over --n_microbatches) and DP (ddp_train.py, over the dp x cp ranks, which hold
+equal shares of the tokens). The tied wte (first stage) and lm_head (last) are split by vocabulary
+over TP; the two ends of each (dp, cp, tp) place sum their gradients. Seams: docs/hybrid.md.
+Per rank, P parameters, b rows a micro-batch, C = n_embd, 4 bytes a number:
   model state  16 bytes a parameter (param, grad, AdamW's two moments) of about P/(tp*pp): its
                stage's TP shards, the replicated LayerNorms, wpe and row-parallel biases, and on
                the last stage (pp > 1) the head's copy of wte's vocab/tp rows.
@@ -70,8 +63,9 @@ WTE_NAME = "transformer.wte.weight"  # lm_head.weight is tied to it: the last st
 # ---- the grid: every rank's coordinates and groups -------------------------------------------
 
 AXES = ("dp", "pp", "cp", "tp")  # slowest-varying first: rank = ((d*pp + s)*cp + c)*tp + t
-# The groups the strategies use, each named by the axes along which its ranks differ.
-GROUPS = (("tp",), ("cp",), ("pp",), ("dp", "cp"), ("pp", "tp"))
+GROUPS = (("tp",), ("cp",), ("pp",), ("dp", "cp"), ("pp", "tp"))  # each: the axes it spans
+SIZE_FLAGS = dict(dp="data_parallel_size", pp="pipeline_parallel_size",
+                  cp="context_parallel_size", tp="tensor_parallel_size")  # each axis' flag, less --
 
 
 def rank_grid(dp, pp, cp, tp):
@@ -88,7 +82,7 @@ def axis_groups(grid, axes):
     along = [AXES.index(axis) for axis in axes]
     others = [i for i in range(len(AXES)) if i not in along]
     size = math.prod(grid.shape[i] for i in along)
-    return grid.permute(others + along).reshape(-1, size).tolist()
+    return grid.permute(others + along).reshape(-1, size).tolist()  # (groups, ranks of each)
 
 
 def tied_pairs(grid):
@@ -99,48 +93,39 @@ def tied_pairs(grid):
 
 def grid_error(sizes, world_size):
     """None, or why the sizes {axis: size or None} make no grid of `world_size` (dp: the rest)."""
-    flags = dict(dp="--data_parallel_size", tp="--tensor_parallel_size",
-                 pp="--pipeline_parallel_size", cp="--context_parallel_size")
     for axis in AXES:
         if sizes[axis] is not None and sizes[axis] <= 0:
-            return f"{flags[axis]}: must be > 0, got {sizes[axis]}"
+            return f"--{SIZE_FLAGS[axis]}: must be > 0, got {sizes[axis]}"
     model = math.prod(sizes[axis] or 1 for axis in ("pp", "cp", "tp"))
     dp = sizes["dp"] or world_size // model
     if dp * model != world_size or dp == 0:
-        shape = " x ".join(f"{flags[a]} {sizes[a] or 1}" for a in ("tp", "pp", "cp"))
+        shape = " x ".join(f"--{SIZE_FLAGS[a]} {sizes[a] or 1}" for a in ("tp", "pp", "cp"))
         return f"--data_parallel_size: {dp} x {shape} must equal the world size ({world_size})"
     return None
 
 
 class Grid:
-    """This rank's coordinates, GROUPS' process groups and the pp-ends group. Every rank creates
-    every group in the same order (new_group's rule), each with --timeout_s (not 30 minutes)."""
+    """This rank's coordinates, GROUPS' process groups and the pp-ends group, with --timeout_s."""
     def __init__(self, dp, pp, cp, tp, timeout):
         self.ranks = rank_grid(dp, pp, cp, tp)
         self.size = dict(zip(AXES, (dp, pp, cp, tp)))
         self.coords = coordinates(self.ranks, dist.get_rank())
-        self.groups = {}
+        def my_group(groups):  # every rank makes every group, in one order (new_group's rule)
+            return dist.new_subgroups_by_enumeration(groups, timeout=timeout)[0]
         # nccl: each group connects here (new_group inherits setup's device_id), so the pp group's
         # first batch_isend_irecv may be stages 0 and 1 alone; a lazy one would need every rank.
-        for axes in GROUPS:
-            groups = axis_groups(self.ranks, axes)
-            self.groups[axes], _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
+        self.groups = {axes: my_group(axis_groups(self.ranks, axes)) for axes in GROUPS}
         self.tied_group = None
         if pp > 1:
-            pairs = tied_pairs(self.ranks)
-            self.tied_group, _ = dist.new_subgroups_by_enumeration(pairs, timeout=timeout)
-
+            self.tied_group = my_group(tied_pairs(self.ranks))
     def group(self, *axes):
         return self.groups[axes]
-
     def neighbour(self, step):
         """The global rank at my (dp, cp, tp) place on stage pp + step, or None past an end."""
         c = self.coords
-        stage = c["pp"] + step
-        if not 0 <= stage < self.size["pp"]:
-            return None
-        return int(self.ranks[c["dp"], stage, c["cp"], c["tp"]])
-
+        if 0 <= c["pp"] + step < self.size["pp"]:
+            return int(self.ranks[c["dp"], c["pp"] + step, c["cp"], c["tp"]])
+        return None
     def table(self):
         """--print_grid: every rank's coordinates and groups, a line each."""
         lines = []
@@ -153,11 +138,6 @@ class Grid:
 
 
 # ---- TP: Megatron's conjugate operators on the TP group (tp_train.py has the full lesson) ----
-
-def tp_group(group, sequence_parallel):
-    return types.SimpleNamespace(group=group, size=dist.get_world_size(group),
-                                 rank=dist.get_rank(group), sp=sequence_parallel)
-
 
 def all_gather(x, group, dim):
     """The ranks' x concatenated in rank order along `dim`: (b, L/tp, C) shards -> (b, L, C)."""
@@ -172,7 +152,7 @@ def reduce_scatter_seq(x, group):
     tp_size = dist.get_world_size(group)
     chunks = torch.cat(x.chunk(tp_size, dim=1))  # (tp*b, L/tp, C): shard r at rows r*b..(r+1)*b
     out = chunks.new_empty((x.size(0),) + chunks.shape[1:])
-    reduce_scatter_single(out, chunks, group=group)
+    reduce_scatter_single(out, chunks, group=group)  # b*L*C numbers in, b*L/tp*C out
     return out
 
 
@@ -182,7 +162,6 @@ class CopyToTP(torch.autograd.Function):
     def forward(ctx, x, tp):
         ctx.tp = tp
         return all_gather(x, tp.group, dim=1) if tp.sp else x
-
     @staticmethod
     def backward(ctx, grad):
         if ctx.tp.sp:
@@ -202,7 +181,6 @@ class ReduceFromTP(torch.autograd.Function):
         x = x.contiguous()
         dist.all_reduce(x, group=tp.group)  # b*L*C numbers: the sum of the tp partial outputs
         return x
-
     @staticmethod
     def backward(ctx, grad):
         return (all_gather(grad, ctx.tp.group, dim=1) if ctx.tp.sp else grad), None
@@ -219,14 +197,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         mine = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank owns
         local = local.clamp(0, logits.size(-1) - 1)
         picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float()  # (N,)
-        chunks = zip(logits.split(LOSS_CHUNK_ROWS), m.split(LOSS_CHUNK_ROWS))
-        # each chunk fp32 by promotion (m is), one chunk at a time: no fp32 copy of the logits
+        chunks = zip(logits.split(LOSS_CHUNK_ROWS), m.split(LOSS_CHUNK_ROWS))  # each fp32: m is
         sum_exp = torch.cat([(z - m_z.unsqueeze(-1)).exp_().sum(-1) for z, m_z in chunks])
         sums = torch.stack([sum_exp, torch.where(mine, picked - m, 0.0)])  # (2, N)
         dist.all_reduce(sums, group=group)  # 2N numbers: sums of exp, the targets' logits
         ctx.save_for_backward(logits, m, sums[0], local, mine)
         return sums[0].log() - sums[1]
-
     @staticmethod
     def backward(ctx, grad):
         logits, m, sum_exp, local, mine = ctx.saved_tensors
@@ -257,7 +233,7 @@ def shard_dim(name):
 def shard(name, full, rank, tp_size):
     """TP rank `rank`'s slice of the full tensor `name`; c_attn's: the same heads of q, k and v."""
     if "c_attn" in name:
-        return full.unflatten(0, (3, -1)).chunk(tp_size, dim=1)[rank].flatten(0, 1)
+        return full.unflatten(0, (3, -1)).chunk(tp_size, dim=1)[rank].flatten(0, 1)  # (3C/tp, *)
     dim = shard_dim(name)
     return full if dim is None else full.chunk(tp_size, dim=dim)[rank]
 
@@ -265,7 +241,7 @@ def shard(name, full, rank, tp_size):
 def unshard(name, shards):
     """The inverse of shard(): the full tensor from the tp_size slices, in rank order."""
     if "c_attn" in name:
-        return torch.cat([s.unflatten(0, (3, -1)) for s in shards], dim=1).flatten(0, 1)
+        return torch.cat([s.unflatten(0, (3, -1)) for s in shards], dim=1).flatten(0, 1)  # (3C, *)
     dim = shard_dim(name)
     return shards[0] if dim is None else torch.cat(shards, dim=dim)
 
@@ -281,7 +257,6 @@ class ParallelLinear(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
         self.bias = nn.Parameter(torch.empty(self.weight.size(0))) if bias else None
-
     def forward(self, x):
         if self.column:
             return F.linear(CopyToTP.apply(x, self.tp), self.weight, self.bias)
@@ -296,7 +271,6 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(vocab_size // tp.size, n_embd))
         self.vocab_start = tp.rank * (vocab_size // tp.size)
-
     def forward(self, idx):
         local = idx - self.vocab_start
         mine = (local >= 0) & (local < self.weight.size(0))
@@ -305,12 +279,6 @@ class VocabParallelEmbedding(nn.Module):
 
 
 # ---- CP: ring attention with the zigzag split (cp_train.py has the full lesson) ---------------
-
-def positions(T, cp_size, r):
-    """The positions CP rank r holds, ascending: zigzag chunks r and 2cp-1-r of 2cp."""
-    chunks = torch.arange(T).chunk(2 * cp_size)
-    return torch.cat([chunks[r], chunks[2 * cp_size - 1 - r]])
-
 
 def causal_window(q_pos, k_pos):
     """The part of a (query block, key block) pair the causal mask keeps: queries from `first` on,
@@ -324,16 +292,15 @@ def causal_window(q_pos, k_pos):
 class CPGroup:
     """The CP group, its ring neighbours (global ranks), my positions and my windows."""
     def __init__(self, group, T, device):
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
-        every = [positions(T, self.size, r) for r in range(self.size)]
+        chunks = torch.arange(T).chunk(2 * self.size)  # zigzag: rank r holds r and 2cp-1-r
+        every = [torch.cat([chunks[r], chunks[-1 - r]]) for r in range(self.size)]  # ascending
         self.mine = every[self.rank].to(device)
-        self.windows = []  # my queries against the key block of each CP rank
-        for k_pos in every:
-            first, keys, mask = causal_window(every[self.rank], k_pos)
+        self.windows = []  # ring step i's: my queries against the key block of CP rank - i
+        for i in range(self.size):
+            first, keys, mask = causal_window(every[self.rank], every[(self.rank - i) % self.size])
             self.windows.append((first, keys, None if mask is None else mask.to(device)))
 
 
@@ -362,8 +329,7 @@ def block_forward(q, kv, window, out, lse, scale):
 
 
 def block_backward(q, kv, window, dout, out, lse, dq, scale, rest):
-    """Adds this key block's part of dq in place; returns its [dK; dV] (the final lse: no merging).
-    rest: what block_forward returned for this block."""
+    """Adds this key block's part of dq in place; returns its [dK; dV]; rest: block_forward's."""
     first, keys, mask = window
     dkv = torch.zeros(kv.shape, device=q.device)  # (2, b, nh/tp, T/cp, hs)
     if keys == 0 or first == q.size(-2):
@@ -413,13 +379,11 @@ class RingAttention(torch.autograd.Function):
         ctx.cp, ctx.rests = cp, []  # rests: what each step's flash kernel wants back
         for i in range(cp.size):  # step i: the block of CP rank - i; the next one on the wire
             received, works = pass_to_next(kv, cp) if i < cp.size - 1 else (kv, [])  # last: none
-            window = cp.windows[(cp.rank - i) % cp.size]
-            ctx.rests.append(block_forward(q, kv, window, out, lse, scale))
+            ctx.rests.append(block_forward(q, kv, cp.windows[i], out, lse, scale))
             wait(works)
             kv = received
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
-
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
@@ -431,12 +395,9 @@ class RingAttention(torch.autograd.Function):
         # Block j's dK, dV accumulator follows it round the ring from rank j+1 back to j.
         for i in range(cp.size):
             received, works = pass_to_next(kv, cp) if i < cp.size - 1 else (kv, [])
-            if i >= 2:
-                carried_in, carried_works = pass_to_next(carried, cp)
-            window = cp.windows[(cp.rank - i) % cp.size]
-            dkv = block_backward(q, kv, window, dout, out, lse, dq, scale, ctx.rests[i])
-            if i >= 2:
-                wait(carried_works)
+            carried_in, carried_works = pass_to_next(carried, cp) if i >= 2 else (None, [])
+            dkv = block_backward(q, kv, cp.windows[i], dout, out, lse, dq, scale, ctx.rests[i])
+            wait(carried_works)
             if i == 0:
                 my_dkv = dkv
             else:
@@ -458,10 +419,7 @@ class HybridAttention(nn.Module):
         self.c_attn = ParallelLinear(tp, config.n_embd, 3 * config.n_embd, config.bias, column=True)
         self.c_proj = ParallelLinear(tp, config.n_embd, config.n_embd, config.bias, column=False)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head = config.n_head // tp.size
-        self.dropout = config.dropout
-        self.cp = cp
-
+        self.n_head, self.dropout, self.cp = config.n_head // tp.size, config.dropout, cp
     def forward(self, x):  # (b, T/cp, C), or (b, T/cp/tp, C) with SP
         qkv = self.c_attn(x)  # (b, T/cp, 3C/tp): my heads' q, k, v at my CP positions
         b, L, _ = qkv.shape
@@ -469,7 +427,6 @@ class HybridAttention(nn.Module):
         q, k, v = (t.view(b, L, self.n_head, -1).transpose(1, 2) for t in qkv.chunk(3, dim=2))
         y = self.attend(q, k, v).transpose(1, 2).reshape(b, L, -1)  # (b, T/cp, C/tp)
         return self.resid_dropout(self.c_proj(y))
-
     def attend(self, q, k, v):
         """The attention core: the CP ring; with cp = 1, SDPA (which has dropout)."""
         if self.cp.size > 1:
@@ -483,7 +440,7 @@ class StageGPT(nn.Module):
     rank's shards of init_tensor's values or of `state`. The head: wte, or with pp > 1 lm_head."""
     def __init__(self, tp, cp, config, stage, n_stages, seed, device, state=None):
         super().__init__()
-        self.tp, self.cp = tp, cp
+        self.tp = tp
         self.first, self.last = stage == 0, stage == n_stages - 1
         C, V = config.n_embd, config.vocab_size
         full = GPT(config, device="meta").transformer  # the whole model without storage
@@ -513,16 +470,10 @@ class StageGPT(nn.Module):
                 shape = full_shapes[name].shape
                 value = state[name] if state is not None else init_tensor(name, shape, config, seed)
                 p.copy_(shard(name, value, tp.rank, tp.size))
-        # with SP the replicated parameters see this rank's sequence shard: partial gradients
-        replicated = [p for n, p in self.named_parameters() if shard_dim(n) is None]
-        self.sequence_parallel_params = replicated if tp.sp else []
-
     def head(self):
         return self.lm_head.weight if hasattr(self, "lm_head") else self.transformer.wte.weight
-
     def forward(self, x, targets, pos):
-        """x: token ids on the first stage, else the stage before's output; pos: my tokens'
-        positions. Returns the output, or on the last stage the mean loss over my tokens."""
+        """x: token ids (first stage) or the stage before's output; the last stage: my mean loss."""
         if self.first:  # (b, T/cp, C), with SP reduce-scattered to (b, T/cp/tp, C)
             x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
         for block in self.transformer.h.values():
@@ -536,11 +487,11 @@ class StageGPT(nn.Module):
                                                self.tp.group).mean()
 
 
-# ---- DP: gradient buckets, all-reduced over dp x cp during the last backward (ddp_train.py) ----
+# ---- the strategy behind the loop's methods: DP's buckets, the grid, the stage, 1F1B -----------
 
 class GradientBuckets:
-    """DP over dp x cp: flat buffers that the .grads are views of, all-reduced (async, a bucket of
-    bucket_cap_mb each) after the step's last backward; under 1F1B a hook would hide little."""
+    """DP over dp x cp, as ddp_train.py: flat buffers that the .grads are views of, all-reduced
+    (async, bucket_cap_mb each) after the step's last backward; under 1F1B a hook hides little."""
     def __init__(self, params, bucket_cap_mb, group):
         self.group, self.buffers = group, []
         bucket, size = [], 0
@@ -554,52 +505,41 @@ class GradientBuckets:
             if p is not None:
                 bucket.append(p)
                 size += 4 * p.numel()
-
     def all_reduce(self):
         # numel x 4 bytes a bucket; each rank's loss was divided by the group size: sum = mean
         wait([dist.all_reduce(buffer, group=self.group, async_op=True) for buffer in self.buffers])
 
 
-def all_reduce_grads(grads, group):
-    """One flat all-reduce (sum) of these gradients over `group` (numel x 4 bytes), in place."""
-    flat = torch.cat([grad.reshape(-1) for grad in grads])
-    dist.all_reduce(flat, group=group)
-    for grad, flat_grad in zip(grads, flat.split([grad.numel() for grad in grads])):
-        grad.copy_(flat_grad.view_as(grad))
-
-
-# ---- the strategy behind the loop's methods: the grid, the stage, 1F1B --------------------------
-
 class Hybrid:
     """This rank's grid place: a TP shard of a stage's blocks, its CP positions, its DP rows."""
-
     def __init__(self, config, args, device, state=None):
         self.config, self.args, self.device = config, args, device
-        sizes = [args.data_parallel_size, args.pipeline_parallel_size,
-                 args.context_parallel_size, args.tensor_parallel_size]
+        sizes = [getattr(args, SIZE_FLAGS[axis]) for axis in AXES]
         self.grid = Grid(*sizes, timeout=datetime.timedelta(seconds=args.timeout_s))
         if args.print_grid and dist.get_rank() == 0:
             print(self.grid.table(), flush=True)
-        self.tp = tp_group(self.grid.group("tp"), args.sequence_parallel)
+        tp_group = self.grid.group("tp")
+        self.tp = types.SimpleNamespace(group=tp_group, size=dist.get_world_size(tp_group),
+                                        rank=dist.get_rank(tp_group), sp=args.sequence_parallel)
         self.cp = CPGroup(self.grid.group("cp"), args.block_size, device)
         self.M = args.n_microbatches
         stage, n_stages = self.grid.coords["pp"], self.grid.size["pp"]
+        self.n_warmup = min(n_stages - 1 - stage, self.M)  # 1F1B: the forwards before the first B
         self.model = StageGPT(self.tp, self.cp, config, stage, n_stages, args.seed, device, state)
         # --compile: the block between its collectives; f, g and the CP ring run eagerly
         blocks = self.model.transformer.h.values()
         compile_forward(blocks, args.compile, BLOCK_LINEARS + ("attn.attend",))
         # full: a block's recompute runs its f, g and the CP ring again, at the B of its micro-batch
         checkpoint_blocks(self.model.transformer.h.values(), args.activation_checkpointing)
-        self.dp_cp_group = self.grid.group("dp", "cp")
-        self.buckets = GradientBuckets(list(self.model.parameters()), args.bucket_cap_mb,
-                                       self.dp_cp_group)
+        dp_cp = self.grid.group("dp", "cp")
+        self.buckets = GradientBuckets(list(self.model.parameters()), args.bucket_cap_mb, dp_cp)
+        # a micro-batch is 1/(M*A) of my rows, the dp*cp ranks summed hold equal shares: sum = mean
+        self.loss_scale = 1 / (self.M * args.grad_accum_steps * dist.get_world_size(dp_cp))
         self.prev_stage, self.next_stage = self.grid.neighbour(-1), self.grid.neighbour(1)
         self.pos = self.cp.mine  # my tokens' positions; with SP my TP rank's share of them
         if args.sequence_parallel:
             self.pos = self.cp.mine.chunk(self.tp.size)[self.tp.rank]
-        # The logged loss: the last stage's ranks hold their tokens' mean, dp*cp*tp of them
-        self.loss_ranks = self.grid.size["dp"] * self.grid.size["cp"] * self.grid.size["tp"]
-
+        self.loss_ranks = dist.get_world_size() // n_stages  # the last stage's, a mean each
     def configure_optimizer(self, args, state=None):
         named = list(self.model.named_parameters())
         betas = (args.beta1, args.beta2)
@@ -611,7 +551,6 @@ class Hybrid:
                 set_adamw_state(optimizer, p, state[name],
                                 lambda full, piece=piece: piece(full).to(self.device, copy=True))
         return optimizer
-
     def exchange(self, send_forward=None, send_backward=None, recv_forward=False,
                  recv_backward=False, shape=None):
         """b x T/cp x C numbers (SP: /tp) each: an output to the next stage, an input's gradient to
@@ -628,37 +567,29 @@ class Hybrid:
         if ops:
             wait(dist.batch_isend_irecv(ops))
         return received
-
     def forward_backward(self, x, y, sync):
         """One micro-step; returns its loss on the last stage, else 0."""
-        warmup = min(self.grid.size["pp"] - 1 - self.grid.coords["pp"], self.M)
-        loss = self.one_f_one_b(x, y, warmup)
+        loss = self.one_f_one_b(x, y, self.n_warmup)
         if sync:  # else accumulate only (DDP's no_sync)
             self.buckets.all_reduce()
             self.finish_gradients()
         return loss
-
     def one_f_one_b(self, x, y, n_warmup):
         """M micro-batches through this stage by 1F1B, as pp_train.py: n_warmup forwards (M: only
         forwards, evaluation), one forward one backward, then backwards. Returns the loss."""
         xs, ys = x[:, self.cp.mine].chunk(self.M), y[:, self.cp.mine].chunk(self.M)
         shape = (xs[0].size(0), len(self.pos), self.config.n_embd)
-        # a micro-batch is 1/(M*A) of my rows, the dp*cp ranks summed hold equal shares: sum = mean
-        scale = 1 / (self.M * self.args.grad_accum_steps * dist.get_world_size(self.dp_cp_group))
         stash = []  # (input, output) of each micro-batch between its F and its B
         loss_sum = torch.zeros((), device=self.device)
-
         def forward(i, received):
-            nonlocal loss_sum
             inp = xs[i] if self.model.first else received.requires_grad_(torch.is_grad_enabled())
             with activations.first(), autocast(self.args, self.device):
                 out = self.model(inp, ys[i], self.pos)
             if self.model.last:
-                loss_sum += out.detach().float() / self.M
-                out = out * scale
+                loss_sum.add_(out.detach().float() / self.M)
+                out = out * self.loss_scale
             stash.append((inp, out))
             return None if self.model.last else out.detach()
-
         def backward(i, grad_out):
             inp, out = stash.pop(0)
             torch.autograd.backward(out, grad_out)  # accumulates into the buckets
@@ -682,25 +613,24 @@ class Hybrid:
             _, grad_out = self.exchange(recv_backward=True, shape=shape)
             self.exchange(send_backward=backward(i, grad_out))
         return loss_sum
-
     def finish_gradients(self):
-        """After the buckets: with SP the replicated parameters' partial gradients summed over TP;
-        the tied wte/lm_head summed by the pipeline's ends, which then take identical steps."""
-        if self.model.sequence_parallel_params:
-            all_reduce_grads([p.grad for p in self.model.sequence_parallel_params], self.tp.group)
+        """After the buckets: SP's partial gradients summed over TP, the tied ones over pp ends."""
+        if self.tp.sp:  # the replicated parameters saw this rank's sequence shard: partial sums
+            grads = [p.grad for n, p in self.model.named_parameters() if shard_dim(n) is None]
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            dist.all_reduce(flat, group=self.tp.group)  # 4 bytes a number: the TP ranks' sum
+            for grad, flat_grad in zip(grads, flat.split([grad.numel() for grad in grads])):
+                grad.copy_(flat_grad.view_as(grad))
         if self.grid.tied_group is not None and (self.model.first or self.model.last):
             dist.all_reduce(self.model.head().grad, group=self.grid.tied_group)  # vocab/tp*C
-
     @torch.no_grad()
     def eval_loss(self, x, y):
         self.model.eval()
         loss = self.one_f_one_b(x, y, self.M)  # forwards only
         self.model.train()
         return loss
-
     def clip_grad_norm_(self, max_norm):
-        # Squares summed over (pp, tp) (equal over dp x cp): a TP-replicated gradient on TP rank 0
-        # only, the head's copy of wte never; every gradient is clipped.
+        # squares summed over (pp, tp): a replicated gradient on TP rank 0 only, lm_head's never
         named = list(self.model.named_parameters())
         counted = [p.grad for n, p in named if n != "lm_head.weight"
                    and (shard_dim(n) is not None or self.tp.rank == 0)]
@@ -708,23 +638,19 @@ class Hybrid:
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_([p for _, p in named], max_norm, norm)
         return norm
-
     def full_tensor(self, name, tensor):
         """The whole tensor: a TP-sharded one all-gathered from my TP group."""
         if self.tp.size == 1 or tensor.dim() == 0 or shard_dim(name) is None:
             return tensor
         return unshard(name, all_gather(tensor, self.tp.group, dim=0).chunk(self.tp.size))
-
     def full_shape(self, name, tensor):
         """The shape of the whole tensor that full_tensor() gathers."""
         shape = list(tensor.shape)
         if tensor.dim() and shard_dim(name) is not None:
             shape[shard_dim(name)] *= self.tp.size
         return shape
-
     def full_state(self, optimizer):
         return gather_full_state(self, optimizer)  # checkpoint plumbing: after main()
-
     def describe(self):
         sizes = " x ".join(f"{axis} {self.grid.size[axis]}" for axis in AXES)
         mib = held_bytes(self.model.parameters()) / 2**20
@@ -733,8 +659,7 @@ class Hybrid:
 
 
 class TorchHybrid(peers.torch_hybrid.TorchHybrid, Hybrid):
-    """--implementation pytorch: the same grid by DeviceMesh, DTensor and torch's pipelining
-    (peers/torch_hybrid.py); describe and full_state are Hybrid's."""
+    """--implementation pytorch: peers/torch_hybrid.py's grid; describe and full_state: Hybrid's."""
 
 
 def add_hybrid_flags(group):
@@ -743,8 +668,7 @@ def add_hybrid_flags(group):
     group.add_argument("--tensor_parallel_size", type=int, default=None, help="tp (default 1)")
     group.add_argument("--pipeline_parallel_size", type=int, default=None, help="pp (default 1)")
     group.add_argument("--context_parallel_size", type=int, default=None, help="cp (default 1)")
-    add_bool(group, "--sequence_parallel", False, "TP: split the activations between the linears "
-             "by sequence")
+    add_bool(group, "--sequence_parallel", False, "TP: split the activations by sequence (SP)")
     group.add_argument("--n_microbatches", type=int, default=None,
                        help="PP: micro-batches per micro-step (default 4; 1 without PP)")
     group.add_argument("--bucket_cap_mb", type=float, default=25.0, help="DP: bucket size (MiB)")
@@ -753,8 +677,7 @@ def add_hybrid_flags(group):
 
 def check_hybrid_args(args, world_size):
     """Bad input: one line, before anything is built. Fills in the four sizes; returns dp."""
-    sizes = dict(dp=args.data_parallel_size, tp=args.tensor_parallel_size,
-                 pp=args.pipeline_parallel_size, cp=args.context_parallel_size)
+    sizes = {axis: getattr(args, SIZE_FLAGS[axis]) for axis in AXES}  # None: not given
     error = grid_error(sizes, world_size)
     if error:
         die(error)
