@@ -19,6 +19,8 @@ cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 NPROC=${NPROC:-2}
 ROUNDS=${ROUNDS:-3}
+# This invocation, as common.report markdown prints it beside the machine, torch and commit
+COMMAND="NPROC=$NPROC ROUNDS=$ROUNDS ${ONLY:+ONLY=\"$ONLY\" }${GPUS:+GPUS=$GPUS }./run_all.sh $*"
 MODE=smoke
 DRY=0
 for arg in "$@"; do
@@ -29,11 +31,12 @@ for arg in "$@"; do
   esac
 done
 
-# What it needs: the packages, and offline copies of the data and tokenizer when ../shared has them.
+# What it needs: the packages, and the data (prepared below, before the runs). Offline, the scripts
+# read the text and the tokenizer from the folder NANODIST_OFFLINE_DIR names (docs/offline.md); by
+# default ../shared beside the checkout, when it holds the text.
 "$PYTHON" -c "import torch, tiktoken, numpy, tensorboard" 2>/dev/null || "$PYTHON" -m pip install -q -r requirements.txt || exit 1
-[ -d ../shared/tiktoken_cache ] && export TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-$(cd ../shared/tiktoken_cache && pwd)}
-if [ ! -f data/shakespeare/input.txt ] && [ -f ../shared/data/tinyshakespeare/input.txt ]; then
-  mkdir -p data/shakespeare && cp ../shared/data/tinyshakespeare/input.txt data/shakespeare/input.txt
+if [ -z "${NANODIST_OFFLINE_DIR:-}" ] && [ -f ../shared/data/tinyshakespeare/input.txt ]; then
+  export NANODIST_OFFLINE_DIR=$(cd ../shared && pwd)
 fi
 
 SCRIPTS=$(for s in ${ONLY:-ddp fsdp zero3 zero3_tuning tp tp_overlap pp pp_zb pp_vocab cp hybrid}; do [ -f "${s}_train.py" ] && echo "$s"; done)
@@ -54,8 +57,13 @@ elif [ "$GPUS" -gt 0 ]; then
   echo "$GPUS GPU(s) for $NPROC ranks: the $NPROC-rank runs use the CPU (gloo);" \
        "every script also runs at world size 1 on the GPU"
 fi
+[ "$DRY" = 1 ] || "$PYTHON" -m common.data || exit 1  # no text or tokenizer: one line, before any run
 RUNS=runs/$MODE
 [ "$DRY" = 1 ] || { rm -rf "$RUNS" runs/smoke-gpu && mkdir -p "$RUNS"; }
+record_setup() {  # RUNS/setup.json: the machine, torch version, commit and COMMAND of its runs
+  [ "$DRY" = 1 ] || "$PYTHON" -m common.report setup "$RUNS" "$COMMAND"
+}
+record_setup
 # Each run evaluates before its first step and after its last (--eval_interval = --max_iters, two
 # batches a split): the smoke compares both with the reference's.
 COMMON="--eval_iters 2 --tensorboard false --log_interval 10"
@@ -118,6 +126,7 @@ if [ "$MODE" = smoke ]; then
   if [ "$GPU_ROWS" = 1 ]; then  # world size 1 on the GPU, in bf16 as GPU users train it
     RUNS=runs/smoke-gpu DEVICE=cuda
     [ "$DRY" = 1 ] || mkdir -p "$RUNS"
+    record_setup
     FLAGS="$FLAGS --dtype bfloat16"
     run reference 1 ddp_train.py $FLAGS
     run_strategies "" 1
@@ -207,6 +216,7 @@ else
   # without zigzag, and the saved activations of one process.
   RUNS=runs/bench-extra
   [ "$DRY" = 1 ] || { rm -rf "$RUNS" && mkdir -p "$RUNS"; }  # --dry-run touches no run
+  record_setup
   extra() { has "${3%_train.py}" && run "$@"; }
   extra fsdp-custom-prefetch "$NPROC" fsdp_train.py $FLAGS --prefetch true
   extra fsdp-custom-noprefetch "$NPROC" fsdp_train.py $FLAGS --prefetch false

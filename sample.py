@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from common.checkpoint import read
+from common.data import use_offline_dir
 from common.model import GPT, GPTConfig
 
 
@@ -48,6 +49,9 @@ def main(argv=None):
             sys.exit(f"error: --{name}: must be > 0, got {getattr(args, name)}")
     if not args.temperature > 0:
         sys.exit(f"error: --temperature: must be > 0, got {args.temperature}")
+    error = use_offline_dir()  # offline: tiktoken reads its files from NANODIST_OFFLINE_DIR
+    if error is not None:
+        sys.exit(f"error: {error}")
     ckpt, error = read(os.path.join(args.out_dir, "ckpt.pt"), flag="--out_dir")
     if error is not None:
         sys.exit(f"error: {error}")

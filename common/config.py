@@ -19,7 +19,7 @@ from common.model import PRESETS, GPTConfig
 from common.data import GPT2_VOCAB
 from common.recompute import MODES
 
-# The oldest torch the scripts run correctly on (README, "Torch versions"). Below it gloo gets data
+# The oldest torch the scripts run correctly on (docs/torch-versions.md). Below it gloo gets data
 # parallelism's mean wrong: before 2.8 it refuses ReduceOp.AVG, and in 2.8 its reduce-scatter sums
 # where AVG asks for the mean, so fsdp's gradients (and torch FSDP2's) are N times too large.
 TORCH_FLOOR = "2.9"
@@ -109,7 +109,7 @@ def parse_args(strategy, add_flags=None, argv=None):
                         "block's (only its input is kept); selective: the attention core's "
                         "(common/recompute.py)")
     add_bool(r, "--compile", None, "torch.compile what the strategy's hooks and collectives "
-             "allow (README, 'torch.compile'); None: on with CUDA, where it pays back its "
+             "allow (docs/compile.md); None: on with CUDA, where it pays back its "
              "compile time (tens of seconds), off on CPU, where a short run does not")
     add_bool(r, "--deterministic", False, "deterministic kernels: torch.use_deterministic_"
              "algorithms, cuBLAS's fixed workspace and, on CUDA, SDPA's math backend; on CUDA, "

@@ -5,12 +5,17 @@ global batch of each optimizer step.
 90/10 by characters as nanoGPT does: 301,966 train and 36,059 val tokens for Tiny Shakespeare).
 `get_batch(split, step, ...)` returns the same (x, y) on every rank and in every strategy:
 the batch depends only on (seed, split, step).
+Offline, NANODIST_OFFLINE_DIR names a folder holding the text and tiktoken's GPT-2 BPE files
+(docs/offline.md): the text is copied from it instead of downloaded, and tiktoken reads it.
+`python -m common.data` prepares Tiny Shakespeare once, before any run.
 """
 import filecmp
 import hashlib
 import json
 import os
+import shutil
 import socket
+import sys
 import urllib.request
 
 import numpy as np
@@ -21,6 +26,9 @@ DATA_ROOT = os.path.join(REPO_ROOT, "data")
 SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
                    "tinyshakespeare/input.txt")
 GPT2_VOCAB = 50257  # ids produced by tiktoken's gpt2 encoding are < 50257
+OFFLINE_DIR = "NANODIST_OFFLINE_DIR"  # the offline folder's variable, and what the folder holds:
+OFFLINE_TEXT = os.path.join("data", "tinyshakespeare", "input.txt")
+OFFLINE_BPE = "tiktoken_cache"  # the files tiktoken caches, named by the sha1 of their URL
 
 
 def data_dir(dataset):
@@ -32,10 +40,25 @@ def _sha256(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def use_offline_dir():
+    """None, or the line saying why the folder NANODIST_OFFLINE_DIR names cannot be used. When it
+    can, tiktoken reads its BPE files there (unless TIKTOKEN_CACHE_DIR names another folder)."""
+    folder = os.environ.get(OFFLINE_DIR)
+    if not folder:
+        return None
+    for name in (OFFLINE_TEXT, OFFLINE_BPE):
+        if not os.path.exists(os.path.join(folder, name)):
+            return (f"{OFFLINE_DIR}: {folder} has no {name}; the folder must hold "
+                    f"{OFFLINE_TEXT} and {OFFLINE_BPE}/ (docs/offline.md)")
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(folder, OFFLINE_BPE))
+    return None
+
+
 def prepare(dataset="shakespeare", data_file=None):
     """Make sure data/<dataset>/{train,val}.bin exist; return None, or one line saying what is
     wrong. The text comes from `data_file` if given, else data/<dataset>/input.txt, which for
-    "shakespeare" is downloaded from SHAKESPEARE_URL when missing.
+    "shakespeare" is copied from NANODIST_OFFLINE_DIR, or else downloaded from SHAKESPEARE_URL,
+    when missing.
 
     Several nodes may prepare one shared folder at once (each node's local rank 0), and one node's
     ranks may already read (memmap) the files another node is about to publish: see publish()."""
@@ -44,29 +67,37 @@ def prepare(dataset="shakespeare", data_file=None):
     text_path = data_file or os.path.join(out, "input.txt")
     if data_file is not None and not os.path.isfile(data_file):
         return f"--data_file: no such file: {data_file}"
+    offline_error = use_offline_dir()
+    if offline_error is not None:
+        return offline_error
     if prepared(out, data_file):
         return None
     if not os.path.exists(text_path):
         if dataset != "shakespeare":
             return (f"--dataset {dataset}: no text at {text_path}; put a text file there "
                     f"or pass --data_file PATH")
-        try:
-            os.makedirs(out, exist_ok=True)
-            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as r:
-                text = r.read()
+        os.makedirs(out, exist_ok=True)
+        if os.environ.get(OFFLINE_DIR):
+            offline_text = os.path.join(os.environ[OFFLINE_DIR], OFFLINE_TEXT)
+            shutil.copyfile(offline_text, temporary(text_path))
+        else:
+            try:
+                with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as r:
+                    text = r.read()
+            except OSError as e:
+                return (f"--dataset shakespeare: cannot download {SHAKESPEARE_URL} ({e}); "
+                        f"offline, set {OFFLINE_DIR} (docs/offline.md) or put the text at "
+                        f"{text_path}")
             with open(temporary(text_path), "wb") as f:
                 f.write(text)
-            publish(temporary(text_path), text_path)
-        except OSError as e:
-            return (f"--dataset shakespeare: cannot download {SHAKESPEARE_URL} ({e}); "
-                    f"offline, put Tiny Shakespeare's input.txt at {text_path}")
+        publish(temporary(text_path), text_path)
     try:
         import tiktoken
         enc = tiktoken.get_encoding("gpt2")
     except Exception as e:  # tiktoken fetches the BPE files on first use
         reason = f"{type(e).__name__}: {e}"
         return (f"--dataset {dataset}: cannot load tiktoken's gpt2 encoding ({reason}); "
-                f"offline, set TIKTOKEN_CACHE_DIR to a folder holding the GPT-2 BPE files")
+                f"offline, set {OFFLINE_DIR} (docs/offline.md)")
     with open(text_path, "r", encoding="utf-8") as f:
         text = f.read()
     n = len(text)
@@ -218,3 +249,9 @@ class Batches:
 
     def copy_to_device(self, buffer):
         return buffer.to(self.device, non_blocking=True)
+
+
+if __name__ == "__main__":  # python -m common.data: Tiny Shakespeare's data/shakespeare/*.bin
+    error = prepare()
+    if error is not None:
+        sys.exit(f"error: {error}")

@@ -61,7 +61,7 @@ def setup(args):
     its cores."""
     freeze_imports()
     use_cuda = uses_cuda(args)
-    if args.compile is None:  # --compile's default: on with CUDA, off on CPU (README)
+    if args.compile is None:  # --compile's default: on with CUDA, off on CPU (docs/compile.md)
         args.compile = use_cuda
     if args.device == "cuda" and not torch.cuda.is_available():
         die("--device: cuda was asked for but torch.cuda.is_available() is False")
@@ -169,7 +169,7 @@ def keep_freed_memory():
     before (glibc raises the threshold, up to 32 MiB, after freeing a larger block): two
     implementations of the same arithmetic ran 10% apart. Every block from the heap, never trimmed:
     after a few steps a fault is the exception, at the cost of keeping the heap's high-water mark
-    (measurements: README, design notes). No glibc (macOS, musl): nothing changes."""
+    (docs/design.md). No glibc (macOS, musl): nothing changes."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
@@ -207,9 +207,10 @@ def teardown():
         dist.destroy_process_group()
     gc.collect()
     # torch 2.10 and 2.11 leak one reference to the specs of every DTensor op's arguments
-    # (pytorch#181761, fixed in #181792): those pin their DeviceMesh, whose _pg_registry holds the
-    # mesh's groups, beyond any API's reach. On every other version no mesh outlives main() and this
-    # loop finds none; there it empties the leaked meshes' registries, so the groups are freed.
+    # (pytorch#181761, fixed in pytorch#181792): those pin their DeviceMesh, whose _pg_registry
+    # holds the mesh's groups, beyond any API's reach. On every other version no mesh outlives
+    # main() and this loop finds none; there it empties the leaked meshes' registries, so the
+    # groups are freed.
     if "torch.distributed.device_mesh" in sys.modules:
         from torch.distributed.device_mesh import DeviceMesh
         meshes = [o for o in gc.get_objects() if type(o) is DeviceMesh]  # not isinstance: warns

@@ -220,7 +220,8 @@ def cross_entropy(logits, targets):
     its log-softmax returns the logits' dtype, bf16 under autocast, where ours sums in fp32. Inside
     a compiled region (--compile, GPT.head), the plain form, which inductor fuses with the kernels
     around it (a Python loop of chunks would only be unrolled): on an H100 it took ddp compiled
-    from 0.69 to 0.97 of nanoGPT's tokens/s, and its peak memory up 0.8 GiB (README)."""
+    from 0.69 to 0.97 of nanoGPT's tokens/s, and its peak memory up 0.8 GiB
+    (docs/benchmarks/h100_2026-11-26.md)."""
     if type(logits) is not torch.Tensor:  # a DTensor
         return F.cross_entropy(logits.float(), targets, ignore_index=-1)
     if torch.compiler.is_compiling():
@@ -298,8 +299,9 @@ def materialize_(module, prefix, config, seed, device=None):
 
 # AdamW's fused kernel, one for all the tensors of a step, as nanoGPT uses on CUDA; the CPU has one
 # too (torch >= 2.4): 8.6x faster than the default per-tensor loop for the small preset on one core
-# (6 against 51 ms a step, README). Not the loop's bits: the suite's runs and its plain reference
-# loop all take it (tests/test_parity.py), and it stays within 1e-5 of the loop (README).
+# (6 against 51 ms a step, docs/benchmarks/cpu-2core_2026-11-26.md). Not the loop's bits: the
+# suite's runs and its plain reference loop all take it (tests/test_parity.py), and it stays within
+# 1e-5 of the loop (the same file).
 FUSED_ADAMW = True
 
 

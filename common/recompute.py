@@ -11,9 +11,9 @@ them, or its stages' or chunks'), and its PyTorch peer torch_checkpoint_blocks()
              is run again: its (B, nh, T, T) probabilities and dropout mask, the only activations
              that grow with T^2, are not kept; the linear layers' inputs and outputs are
 
-Bytes kept per layer (the README's table; tests/test_recompute.py counts them): with s = T, b =
-rows, h = n_embd, a = heads, the paper's s*b*h*(34 + 5*a*s/h) for none, 34*s*b*h for selective
-and 2*s*b*h for full count 2-byte activations and 1-byte dropout masks.
+Bytes kept per layer (docs/activation-checkpointing.md; tests/test_recompute.py counts them): with
+s = T, b = rows, h = n_embd, a = heads, the paper's s*b*h*(34 + 5*a*s/h) for none, 34*s*b*h for
+selective and 2*s*b*h for full count 2-byte activations and 1-byte dropout masks.
 
 Dropout: torch.utils.checkpoint stashes the random generators' states (the CPU's, and the device's
 of the inputs) when the forward runs and restores them for the recompute (preserve_rng_state), so

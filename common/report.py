@@ -7,15 +7,22 @@
                                               # over alternating rounds, custom/pytorch ratios,
                                               # and ratios to the 1-process limit
   python -m common.report extra RUNS_DIR      # one row per run, strategy-specific summary keys
-  python -m common.report markdown RUNS_DIR   # the bench's tables in Markdown, for the README
+  python -m common.report markdown RUNS_DIR   # the bench's setup and tables in Markdown, for a
+                                              # file in docs/benchmarks/
+  python -m common.report setup RUNS_DIR COMMAND  # write RUNS_DIR/setup.json (run_all.sh does)
 Run folders are named <strategy>-<implementation>[-r<round>]; each holds metrics.jsonl, exit_code
-and device (where it ran, e.g. "cpu x2").
+and device (where it ran, e.g. "cpu x2"). RUNS_DIR/setup.json holds the machine, torch version,
+commit and command of its runs.
 """
 import functools
 import json
 import os
+import platform
 import statistics
+import subprocess
 import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A run "diverges" when a step's or an evaluation's loss is further than this from the reference's,
 # or a step's pre-clip grad norm relatively further (a gradient N times off trains to the same
@@ -206,8 +213,12 @@ def bench(runs_dir):
 
 
 def markdown(runs_dir):
-    """The README's performance tables from a bench's runs: median tokens/s over the rounds, and
-    each ratio as the median of the per-round ratios, with their range (min-max)."""
+    """A benchmark file's setup and tables from a bench's runs: the machine, torch version, commit
+    and command (setup_lines), median tokens/s over the rounds, and each ratio as the median of the
+    per-round ratios, with their range (min-max)."""
+    for line in setup_lines(runs_dir):
+        print(line)
+    print()
     tps = {key: {r: run["summary"]["tokens_per_sec"] for r, run in by_round.items() if run["ok"]}
            for key, by_round in bench_rounds(runs_dir).items()}
 
@@ -233,6 +244,76 @@ def markdown(runs_dir):
         if tps.get(a) and tps.get(b):
             print(f"| {'-'.join(a)} | {'-'.join(b)} | {cell(a, b)} |")
     return 0
+
+
+def write_setup(runs_dir, command):
+    """runs_dir/setup.json, which run_all.sh writes before its runs: the CPU's model, the logical
+    CPUs, the GPUs' names, the torch version, the commit and the command that made the runs."""
+    import torch  # only here: the tables need no torch
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    version = torch.__version__
+    if torch.version.cuda:
+        version += f" (CUDA {torch.version.cuda})"
+    setup = {"cpu": cpu_model(), "cpus": os.cpu_count(), "gpus": gpus, "torch": version,
+             "commit": commit(), "command": command}
+    with open(os.path.join(runs_dir, "setup.json"), "w") as f:
+        json.dump(setup, f, indent=1)
+        f.write("\n")
+    return 0
+
+
+def cpu_model():
+    """The CPU's model name (Linux's /proc/cpuinfo, else platform.processor()), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def commit():
+    """The checkout's commit, marked when it has uncommitted changes; None outside git."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        changes = git("status", "--porcelain", "--untracked-files=no")
+    except OSError:  # no git on this machine
+        return None
+    if head.returncode != 0:
+        return None
+    if changes.stdout.strip():
+        return head.stdout.strip() + " (with uncommitted changes)"
+    return head.stdout.strip()
+
+
+def setup_lines(runs_dir):
+    """Markdown lines naming the machine, torch version, commit and command of the runs in runs_dir
+    (its setup.json), "unknown" for whatever it does not record."""
+    path = os.path.join(runs_dir, "setup.json")
+    setup = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            setup = json.load(f)
+    cpu = setup.get("cpu") or "unknown"
+    if setup.get("cpus"):
+        cpu += f" ({setup['cpus']} logical CPUs)"
+    gpus = setup.get("gpus")
+    if gpus is None:
+        gpu = "unknown"
+    elif not gpus:
+        gpu = "none"
+    elif len(set(gpus)) == 1:
+        gpu = f"{len(gpus)} x {gpus[0]}"
+    else:
+        gpu = ", ".join(gpus)
+    command = f"`{setup['command']}`" if setup.get("command") else "unknown"
+    return [f"- CPU: {cpu}", f"- GPU: {gpu}", f"- torch: {setup.get('torch') or 'unknown'}",
+            f"- commit: {setup.get('commit') or 'unknown'}", f"- command: {command}"]
 
 
 def _slashed(values, spec):
@@ -262,6 +343,8 @@ def extra(runs_dir):
     failed = []
     print(f"{'run':<32} {'tokens/s':>10} {'peak MiB/rank':>14}  strategy-specific")
     for name in sorted(os.listdir(runs_dir)):
+        if not os.path.isdir(os.path.join(runs_dir, name)):  # setup.json
+            continue
         run = load(os.path.join(runs_dir, name))
         if not run["ok"]:
             failed.append(name)
@@ -316,5 +399,5 @@ if __name__ == "__main__":
     mode, runs_dir = sys.argv[1], sys.argv[2]
     smoke_gpu = functools.partial(smoke, tol=GPU_BF16_TOL)
     modes = {"smoke": smoke, "smoke-gpu": smoke_gpu, "bench": bench, "extra": extra,
-             "markdown": markdown}
-    sys.exit(modes[mode](runs_dir))
+             "markdown": markdown, "setup": write_setup}
+    sys.exit(modes[mode](runs_dir, *sys.argv[3:]))

@@ -29,7 +29,7 @@ def check_args(args):
             "custom, or another --schedule")
     if zero_bubble:
         args.compile = False  # the default: off here
-    if zero_bubble and args.activation_checkpointing != "none":  # torch 2.13, README's notes
+    if zero_bubble and args.activation_checkpointing != "none":  # torch 2.13, docs/pp.md
         die("--activation_checkpointing: torch's zero-bubble schedule cannot split the backward "
             "of a checkpointed block into B and W (its stage_backward_weight fails); use "
             "--activation_checkpointing none, --implementation custom, or another --schedule")

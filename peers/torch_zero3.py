@@ -171,7 +171,7 @@ def check_args(args, custom_only):
     ZeroRedundancyOptimizer give}."""
     if args.implementation != "pytorch":
         return
-    if args.stage == 2:  # see the README's design notes
+    if args.stage == 2:  # docs/zero3.md, "PyTorch's versions"
         die("--stage: 2 has no PyTorch peer (torch's nearest, FSDP2 with "
             "reshard_after_forward=False, also shards the parameters between steps: "
             "fsdp_train.py --implementation pytorch --reshard_after_forward false)")

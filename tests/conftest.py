@@ -5,7 +5,6 @@ import os
 import pickle
 import re
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -40,14 +39,20 @@ def peer_needs(script, implementation, dtype="float32"):
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(REPO), "shared")
 sys.path.insert(0, REPO)
+from common import data  # noqa: E402 (after REPO is on the path)
 
-# Offline: use ../shared when it is there (never committed); otherwise the code downloads.
-if os.path.isdir(os.path.join(SHARED, "tiktoken_cache")):
-    os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(SHARED, "tiktoken_cache"))
-_text = os.path.join(REPO, "data", "shakespeare", "input.txt")
-if not os.path.exists(_text) and os.path.exists(os.path.join(SHARED, "data", "tinyshakespeare", "input.txt")):
-    os.makedirs(os.path.dirname(_text), exist_ok=True)
-    shutil.copy(os.path.join(SHARED, "data", "tinyshakespeare", "input.txt"), _text)
+# Offline: the folder NANODIST_OFFLINE_DIR names (docs/offline.md), by default ../shared beside the checkout
+# when it holds the text (never committed); with neither, the text and the tokenizer are downloaded. The scripts
+# the tests launch inherit the variable; prepared_data copies the text from the folder (temporary, then publish()).
+if data.OFFLINE_DIR not in os.environ and os.path.isfile(os.path.join(SHARED, data.OFFLINE_TEXT)):
+    os.environ[data.OFFLINE_DIR] = SHARED
+
+
+def pytest_configure(config):
+    error = data.use_offline_dir()  # a folder without the files: one line, before any test
+    if error is not None:
+        raise pytest.UsageError(error)
+
 
 # A small config where one step takes a few tens of milliseconds on CPU.
 TINY = ["--n_layer", "2", "--n_head", "4", "--n_embd", "64", "--block_size", "32", "--batch_size", "8",
@@ -56,7 +61,6 @@ TINY = ["--n_layer", "2", "--n_head", "4", "--n_embd", "64", "--block_size", "32
 
 @pytest.fixture(scope="session", autouse=True)
 def prepared_data():
-    from common import data
     error = data.prepare("shakespeare")
     assert error is None, error
 
@@ -281,7 +285,7 @@ def run_record(out_dir):
 # The parity config (tests/test_parity.py), shared with the resume tests so that they can reuse its runs.
 PARITY_STEPS = 15
 PARITY_EVAL_ITERS = 2  # batches per split of each evaluation
-# --deterministic: what the README tells users to pass for bit-identical reruns and resumes (on CPU
+# --deterministic: what docs/checkpoints.md tells users to pass for bit-identical reruns and resumes (on CPU
 # the kernels were already deterministic, and the losses are the same bits with it or without).
 # --eval_interval PARITY_STEPS: an evaluation before the first step and one at the end of the run (a run of
 # fewer steps too, and a resumed run at its end), each checked against one process's.

@@ -24,7 +24,9 @@ import torch  # noqa: E402
 
 from conftest import TINY, launch  # noqa: E402  (sets up the offline data and tokenizer)
 
-SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py"]
+SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py",
+           "pp_zb_train.py", "pp_vocab_train.py", "zero3_tuning_train.py", "tp_overlap_train.py"]
+CUSTOM_ONLY = ("pp_vocab_train.py", "zero3_tuning_train.py", "tp_overlap_train.py")  # tier 2 without a peer
 
 
 def busy(parent):
@@ -51,7 +53,8 @@ def main():
         loader.start()
     # One cycle: for each script and implementation, a fresh 2-step run, then --resume to 3 steps.
     cycle = [(s, impl, mode) for s in args.scripts for impl in ("custom", "pytorch") for mode in ("fresh", "resume")
-             if not (s == "cp_train.py" and impl == "pytorch" and not torch.cuda.is_available())]  # CUDA only
+             if not (s == "cp_train.py" and impl == "pytorch" and not torch.cuda.is_available())  # CUDA only
+             and not (s in CUSTOM_ONLY and impl == "pytorch")]
     failures, leaks, start = [], 0, time.time()
     try:
         for i in range(args.launches):

@@ -1,4 +1,4 @@
-"""Clusters, modelled in this process with fakes (issue 28, items 6-9); the launches are in test_reliability.py.
+"""Clusters, modelled in this process with fakes; the launches are in test_reliability.py.
 
 - resume is decided once: rank 0 chooses the checkpoint, a node that cannot see it (another out_dir, a stale
   NFS copy) ends every rank with one line, and a restart that only one node counts still resumes every rank;

@@ -1,4 +1,6 @@
 """common/: the model's per-name initialisation, the presets, the data and the flags."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -90,6 +92,45 @@ def test_user_text_file(tmp_path, monkeypatch):
     assert "--dataset nothing" in data.prepare("nothing")
 
 
+def test_offline_dir_holds_the_text_and_the_tokenizer(tmp_path, monkeypatch):
+    """NANODIST_OFFLINE_DIR: prepare() copies the text from the folder and tiktoken reads its BPE files there, with
+    no network (both faked away); a folder without either file is refused in one line naming the variable."""
+    import shutil
+    import tempfile
+    import urllib.request
+    import tiktoken
+    tiktoken.get_encoding("gpt2")  # its BPE files are in tiktoken's cache (downloaded if need be), as follows:
+    cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") \
+        or os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    offline = tmp_path / "offline"
+    shutil.copytree(cache, offline / "tiktoken_cache")
+    (offline / "data" / "tinyshakespeare").mkdir(parents=True)
+    (offline / "data" / "tinyshakespeare" / "input.txt").write_text("To be, or not to be: that is the question. " * 200)
+
+    def offline_only(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline_only)  # the text's download
+    monkeypatch.setattr(tiktoken.load, "read_file", offline_only)  # the BPE files' download (tiktoken 0.x)
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})  # gpt2 is loaded again, from the cache
+    monkeypatch.setattr(data, "DATA_ROOT", str(tmp_path / "data"))
+    monkeypatch.setattr(data, "_tokens", {})  # the session's memmaps of the real data stay apart
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
+    monkeypatch.delenv(data.OFFLINE_DIR, raising=False)
+    assert "offline, set NANODIST_OFFLINE_DIR" in data.prepare("shakespeare")  # unset: the download, which fails
+    monkeypatch.setenv(data.OFFLINE_DIR, str(offline))
+    assert data.prepare("shakespeare") is None
+    assert (tmp_path / "data" / "shakespeare" / "input.txt").read_text().startswith("To be, or not to be")
+    assert 1000 < len(data.tokens("train")) + len(data.tokens("val")) < 5000  # this text's tokens
+    assert os.environ["TIKTOKEN_CACHE_DIR"] == str(offline / "tiktoken_cache")
+    for missing in ("tiktoken_cache", "data"):
+        shutil.rmtree(offline / missing)
+        assert data.prepare("shakespeare") == (
+            f"NANODIST_OFFLINE_DIR: {offline} has no {os.path.join('data', 'tinyshakespeare', 'input.txt')}"
+            if missing == "data" else f"NANODIST_OFFLINE_DIR: {offline} has no tiktoken_cache"
+        ) + "; the folder must hold data/tinyshakespeare/input.txt and tiktoken_cache/ (docs/offline.md)"
+
+
 def test_flags_bool_forms_and_presets():
     args = parse_args("test", argv=["--decay_lr=false", "--bias", "--preset", "gpt2", "--n_layer", "2"])
     assert args.decay_lr is False and args.bias is True
@@ -127,7 +168,7 @@ def numerics(monkeypatch):
 
 
 def test_tf32_is_on_for_cuda_by_default_and_off_with_the_flag(numerics):
-    """nanoGPT's TF32 on CUDA (#28 item 10); `--tf32 false` and CPU runs leave fp32 matmuls alone."""
+    """nanoGPT's TF32 on CUDA; `--tf32 false` and CPU runs leave fp32 matmuls alone."""
     numerics([], use_cuda=True)
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     numerics(["--tf32", "false"], use_cuda=True)
@@ -138,7 +179,7 @@ def test_tf32_is_on_for_cuda_by_default_and_off_with_the_flag(numerics):
 
 
 def test_deterministic_sets_torch_cublas_and_sdpa_math(numerics, monkeypatch):
-    """--deterministic (#28 item 2): torch's deterministic mode, cuBLAS's fixed workspace, and on CUDA
+    """--deterministic: torch's deterministic mode, cuBLAS's fixed workspace, and on CUDA
     only SDPA's math backend (the fused backwards sum with atomics); a user's own workspace is kept."""
     import os
     numerics(["--deterministic"], use_cuda=True)

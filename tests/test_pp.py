@@ -181,7 +181,7 @@ def script_programs(schedule, p, m, V=1, forwards_only=False, vocab_parallel=Fal
 
 
 def unpaired_programs(schedule, p, m, V=1):
-    """What pp_train.py issued before issue 15: a blocking recv before each action, its result sent with an isend
+    """A naive executor's program: a blocking recv before each action, its result sent with an isend
     waited only at the end, activations and gradients on a communicator each (NCCL: one per rank pair)."""
     programs = []
     for r in range(p):

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import REPO, cut_args
 
-SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py"]
+SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py",
+           "pp_zb_train.py", "pp_vocab_train.py", "zero3_tuning_train.py", "tp_overlap_train.py"]  # tier 2 too
 
 
 def trace_events(path):

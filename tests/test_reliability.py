@@ -319,7 +319,7 @@ def test_a_hung_peer_is_bounded_by_timeout_s(tmp_path):
 
 
 def test_two_nodes_with_their_own_checkouts_equal_one_node(shared_run, tmp_path):
-    """The README's multi-node recipe with nothing shared but the out_dir: node 1 runs from a second
+    """docs/running.md's multi-node recipe with nothing shared but the out_dir: node 1 runs from a second
     checkout holding only the text (the offline recipe), nothing tokenised, under static rendezvous
     (--master_addr/--master_port). Its local rank 0 must tokenise its own copy; the losses equal one
     node's with 2 ranks."""
@@ -394,7 +394,7 @@ def test_resume_on_nodes_whose_out_dirs_differ_is_one_clear_error(shared_run, tm
 
 
 def test_device_auto_with_more_local_ranks_than_gpus_is_one_clear_error(tmp_path, monkeypatch):
-    """The README's first command on a 1-GPU machine: 2 local ranks, 1 GPU (faked), no CUDA_VISIBLE_DEVICES,
+    """The quick start's 2-rank command on a 1-GPU machine: 2 local ranks, 1 GPU (faked), no CUDA_VISIBLE_DEVICES,
     so both ranks see the same GPU. (One GPU per rank, each its own: tests/test_clusters.py.)"""
     (tmp_path / "sitecustomize.py").write_text(
         "import torch\ntorch.cuda.is_available = lambda: True\ntorch.cuda.device_count = lambda: 1\n"
@@ -474,7 +474,7 @@ BAD = [  # (script, flags, nproc (None: one process), the flag the error must na
     ("cp_train.py", ["--dropout", "0.1"], 2, "--dropout"),
     ("ddp_train.py", ["--compile", "maybe"], None, "--compile"),
     ("ddp_train.py", ["--implementation", "pytorch", "--bucket_cap_mb", "0.5", "--compile"], None, "--compile"),
-    # torch's selective checkpointing cannot see into a compiled block (README, "torch.compile")
+    # torch's selective checkpointing cannot see into a compiled block (docs/compile.md)
     ("tp_train.py", ["--implementation", "pytorch", "--activation_checkpointing", "selective", "--compile"], None,
      "--compile"),
 ]

@@ -2,7 +2,10 @@
 import json
 import os
 import re
+import shutil
 import subprocess
+
+import pytest
 
 from conftest import REPO
 from common import report
@@ -101,6 +104,32 @@ def test_markdown_tables_give_each_ratio_as_the_median_of_the_rounds_with_their_
     assert not any(line.startswith("| zero3") for line in lines)  # variants without runs: no row
 
 
+def test_markdown_first_names_the_machine_torch_commit_and_command(tmp_path, capsys, monkeypatch):
+    """write_setup (run_all.sh calls it) records them in RUNS_DIR/setup.json, and markdown prints them before the
+    tables; a folder without setup.json prints "unknown" for each, and extra() does not take the file for a run."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a GPU machine, faked (no GPU here)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H100 80GB HBM3")
+    fake_run(tmp_path, "ddp-custom-r1", [1.0])
+    assert report.write_setup(str(tmp_path), "NPROC=2 ROUNDS=3 ./run_all.sh --bench") == 0
+    assert report.markdown(str(tmp_path)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    head = head or "unknown"  # outside a git checkout
+    assert lines[0] == f"- CPU: {report.cpu_model()} ({os.cpu_count()} logical CPUs)"
+    assert lines[1:3] == ["- GPU: 2 x NVIDIA H100 80GB HBM3", f"- torch: {torch.__version__}"
+                          + (f" (CUDA {torch.version.cuda})" if torch.version.cuda else "")]
+    assert lines[3].startswith(f"- commit: {head}")
+    assert lines[4:6] == ["- command: `NPROC=2 ROUNDS=3 ./run_all.sh --bench`", ""]
+    assert lines[6].startswith("| run | impl |") and "| ddp | custom | 1,000 | - | - |" in lines
+    assert report.extra(str(tmp_path)) == 0 and "FAILED" not in capsys.readouterr().out  # setup.json: not a run
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert report.markdown(str(bare)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:5] == [f"- {key}: unknown" for key in ("CPU", "GPU", "torch", "commit", "command")]
+
+
 def test_bench_prints_the_ratios_of_the_variants(tmp_path, capsys):
     for r, (stage1, peer, ddp) in enumerate([(90, 100, 100), (120, 100, 100), (99, 90, 110)], 1):
         fake_run(tmp_path, f"zero3-stage1-custom-r{r}", [1.0], tokens_per_sec=stage1)
@@ -179,3 +208,26 @@ def test_run_all_uses_the_gpus_when_there_are_enough():
     rows, _ = plan(1, nproc="1")  # NPROC=1 on one GPU: every run on it
     assert {r[2] for r in rows if r[0] != HYBRID_4D} == {"cuda"}
     assert not any(r[0].startswith("runs/smoke-gpu") for r in rows)
+
+
+@pytest.mark.parametrize("gpus,mode,folders", [("1", "", ["runs/smoke", "runs/smoke-gpu"]),
+                                               ("0", "--bench", ["runs/bench", "runs/bench-extra"])])
+def test_run_all_records_the_setup_of_each_run_folder(tmp_path, gpus, mode, folders):
+    """run_all.sh asks common.report to write setup.json into each folder it makes, with the command that made it
+    (a copy of run_all.sh, with a python that records its calls and runs nothing)."""
+    shutil.copy(os.path.join(REPO, "run_all.sh"), tmp_path)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {tmp_path}/calls\n')
+    python.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(python), GPUS=gpus, NPROC="2", ROUNDS="1")
+    env.pop("ONLY", None)
+    args = [mode] if mode else []
+    result = subprocess.run(["bash", str(tmp_path / "run_all.sh"), *args], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    command = f"NPROC=2 ROUNDS=1 GPUS={gpus} ./run_all.sh {mode}"
+    assert [c for c in calls if c.startswith("-m common.report setup")] == [
+        f"-m common.report setup {folder} {command}" for folder in folders]
+    first_run = next(i for i, c in enumerate(calls) if f"--out_dir {folders[0]}/" in c)
+    assert calls.index(f"-m common.report setup {folders[0]} {command}") < first_run

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 34 on one GPU (README, "Issue #34 on one H100"): our scripts at world size 1 (bf16, GPT-2
-# 124M, 12 x 1024 tokens a step) against nanoGPT's train.py in the same call, in priority order, and
-# kernel profiles of ddp and nanoGPT; each row is appended to $OUT/table.txt as it finishes, so a
-# cut-off run still reports what it measured. On the device machine, from the project root, after
-# ../shared/GPU.md's recipe (.gpu/ with the data and tiktoken cache) and nanoGPT's train.py,
-# model.py and configurator.py copied into .gpu/nanogpt/:  bash tests/gpu/bench.sh  (carry .gpu)
+# Our scripts at world size 1 on one GPU (bf16, GPT-2 124M, 12 x 1024 tokens a step) against
+# nanoGPT's train.py in the same call, in priority order, and kernel profiles of ddp and nanoGPT
+# (docs/benchmarks/h100_2026-11-26.md); each row is appended to $OUT/table.txt as it finishes, so a
+# cut-off run still reports what it measured. From the project root, with .gpu/ holding
+# data/tinyshakespeare/input.txt and tiktoken_cache/, and nanoGPT's train.py, model.py and
+# configurator.py copied into .gpu/nanogpt/:  bash tests/gpu/bench.sh
 export PYTHONUNBUFFERED=1
 cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
 G=$PWD/.gpu  # the carried data, tiktoken cache and nanoGPT
