@@ -13,11 +13,12 @@ Memory per rank, fp32 (AdamW state: 8 bytes an element):
             --reduce_bucket_mb (or one gradient, when it is larger).
   stage 3:  16P/N (owned params, grads, AdamW state) + the non-owned tensors fetched at the moment.
 What moves, per step of A micro-steps (bytes each rank hands to the collectives):
-  stage 1:  on the step's last micro-step, each gradient goes to its owner with an async reduce
-            as soon as backward has accumulated it (4P); AdamW steps the owned tensors only, then
-            each owner broadcasts them (4P, one message: one flat buffer). DDP's traffic.
-  stage 2:  stage 1's reduces on every micro-step (A x 4P), a non-owner dropping each gradient
-            once its reduce is waited for. Then stage 1's broadcasts (4P).
+  stage 1:  the gradients' flat buffers all-reduced after the step's last backward, as DDP's
+            (4P); AdamW steps the owned tensors only, then each owner broadcasts them (4P, one
+            message: one flat buffer).
+  stage 2:  each gradient goes to its owner with an async reduce as soon as backward has
+            accumulated it, on every micro-step (A x 4P); a non-owner drops it once the reduce is
+            waited for. Then stage 1's broadcasts (4P).
   stage 3:  stage 2's reduces, and no broadcast after the step: before each module's forward its
             tensors are broadcast from their owners, the next module's already in flight
             (--prefetch); after it the non-owners free them, unless used again soon
@@ -41,7 +42,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from common.checkpoint import checkpoint, resume, set_adamw_state
+from common.checkpoint import checkpoint, gather_to_rank0, resume, set_adamw_state
 from common.config import add_bool, check_batch_split, die, get_lr, gpt_config, parse_args
 from common.data import Batches, get_batch
 from common.distributed import autocast, clip_grad_norm_, setup, setup_data, teardown
@@ -51,7 +52,7 @@ from common.recompute import checkpoint_blocks
 import peers.torch_zero3
 
 
-# ---- stage 1: the AdamW state sharded; each gradient reduced to its owner -------------------
+# ---- stage 1: the AdamW state sharded; the gradients all-reduced, as in DDP -----------------
 
 def partition(named_shapes, world_size, persistence_threshold=0):
     """{name: owner rank, or None for a persistent (replicated) tensor}, and the elements per rank.
@@ -114,71 +115,40 @@ class OwnedAdamW(torch.optim.Optimizer):
                 work.wait()
 
 
-class ReduceToOwner:
-    """Each gradient reduced to its owner as soon as backward has it (module docstring); persistent
-    (replicated) gradients: one all-reduce on the step's last micro-step. Hooks fire in the same
-    order on every rank, so all issue the same collectives. `sync = False`: not the step's last
-    micro-step. shard_grads False (stage 1): every rank keeps every gradient, and they go on the
-    last micro-step only. `owner`: {parameter: rank, None if persistent}; `masters`: {kept
-    parameter: its fp32 master}."""
+class GradientBuckets:
+    """Flat buffers of about bucket_cap_mb that the .grads are views of: autograd accumulates
+    straight into them, and the all-reduce needs no copy in or out. ddp_train.py also overlaps
+    them with backward; stage 1 keeps the lesson on the optimizer (docs/zero3.md)."""
 
-    def __init__(self, owner, rank, masters, reduce_bucket_bytes, shard_grads):
-        self.owner, self.masters, self.shard_grads = owner, masters, shard_grads
-        self.owned = [masters[p] for p, r in owner.items() if r == rank]
-        self.persistent = [masters[p] for p, r in owner.items() if r is None]
-        self.reduces = deque()  # (gradient, its in-flight reduce or all-reduce), oldest first
-        self.in_flight = 0  # the bytes of those gradients
-        self.window = reduce_bucket_bytes  # --reduce_bucket_mb: the most bytes in flight
-        self.sync = True
-        self.first_micro_step = True  # the next backward's gradients replace zero_grad's zeros
-        for p in owner:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+    def __init__(self, model, bucket_cap_mb):
+        self.buffers = []
+        bucket, size = [], 0
+        params = [p for p in model.parameters() if p.requires_grad][::-1]  # backward's order
+        for p in params + [None]:  # None: the end, which closes the last bucket
+            if bucket and (p is None or size + 4 * p.numel() > bucket_cap_mb * 2**20):
+                buffer = torch.zeros(size // 4, device=bucket[0].device)  # fp32
+                for q, view in zip(bucket, buffer.split([q.numel() for q in bucket])):
+                    q.grad = view.view_as(q)
+                self.buffers.append(buffer)
+                bucket, size = [], 0
+            if p is not None:
+                bucket.append(p)
+                size += 4 * p.numel()
 
-    def _grad_ready(self, p):
-        if not (self.sync or self.shard_grads):
-            return  # stage 1: the gradient accumulates here until the step's last micro-step
-        # Each rank sends p's fp32 gradient (numel x 4 bytes; tied wte: once, both uses summed) to
-        # the owner, which receives the sum; the owner's holds the earlier micro-steps' sums too.
-        grad = p.grad.float()  # bf16: an fp32 copy; fp32: p.grad itself
-        master = self.masters.get(p)
-        if master is not p and self.shard_grads:  # a non-owner's p.grad goes (its reduce holds it)
-            p.grad = None
-            if master is not None and self.first_micro_step:  # bf16: the owner's fp32 master
-                master.grad = grad  # in place of zero_grad's zeros: no pass to add them
-            elif master is not None:
-                grad = master.grad.add_(grad)  # the sum so far goes to the reduce
-        if self.owner[p] is None and not self.sync:
-            return  # a replicated gradient only accumulates on this micro-step
-        # At most `window` bytes in flight (DeepSpeed's reduce_bucket_size): wait for the oldest.
-        nbytes = grad.numel() * grad.element_size()
-        while self.reduces and self.in_flight + nbytes > self.window:
-            self._wait_oldest()
-        if self.owner[p] is not None:
-            work = dist.reduce(grad, dst=self.owner[p], async_op=True)
-        else:  # replicated tensor: sum every rank's gradient on every rank
-            work = dist.all_reduce(grad, async_op=True)
-        self.reduces.append((grad, work))
-        self.in_flight += nbytes
-
-    def _wait_oldest(self):
-        # CUDA: the compute stream waits; the gradient's memory serves the kernels queued after.
-        grad, work = self.reduces.popleft()
-        with timers("reduce_wait"):  # exposed communication: what the overlap did not hide
-            work.wait()
-        self.in_flight -= grad.numel() * grad.element_size()
-
-    def finish_backward(self):
-        """Wait for the gradient reduces: each owner holds the sum of its gradients now."""
-        while self.reduces:
-            self._wait_oldest()
-        self.first_micro_step = self.sync  # after the step's last, a step starts
+    def all_reduce(self):
+        # Each buffer (numel x 4 bytes) to every rank, summed: every rank's gradients are already
+        # g/N (its loss was divided by N), so the sum is the mean.
+        works = [dist.all_reduce(flat, async_op=True) for flat in self.buffers]
+        with timers("all_reduce_wait"):
+            for work in works:
+                work.wait()
 
 
 class ZeRO1:
     """Stage 1 behind the loop's methods: the whole GPT and every gradient on every rank, as in DDP;
-    OwnedAdamW keeps the owned tensors' AdamW state. Stages 2, 3: build_model, sharded."""
+    OwnedAdamW keeps the owned tensors' AdamW state. Stages 2, 3: build_model, reduce_gradients."""
     dp_group = None  # the ranks that split the batch: all of them
-    bucket_cap_mb = 25  # the gradients in flight at most: DDP's bucket size
+    bucket_cap_mb = 25  # GradientBuckets' size, and stage 2's window: DDP's default
     sharded = "AdamW state"  # what describe() says is owned
 
     def __init__(self, config, args, device, state=None):
@@ -195,8 +165,7 @@ class ZeRO1:
         named = list(self.model.named_parameters())
         self.owner = {p: owner[n] for n, p in named}  # parameter -> its rank, None: persistent
         self.kept = [(n, self.masters[p]) for n, p in named if p in self.masters]  # AdamW's
-        window = int(args.reduce_bucket_mb * 2**20)  # bytes
-        self.reducer = ReduceToOwner(self.owner, self.rank, self.masters, window, args.stage > 1)
+        self.reduce_gradients()
 
     def assign_owners(self, named_shapes):
         """partition() over the ranks: {name: owner rank}, which rank 0 prints."""
@@ -216,6 +185,9 @@ class ZeRO1:
         masters = {p: p for p in kept}
         return model, masters
 
+    def reduce_gradients(self):
+        self.buckets = GradientBuckets(self.model, self.bucket_cap_mb)
+
     def configure_optimizer(self, args, state=None):
         optimizer = OwnedAdamW(self.model.named_parameters(), self.kept, self.owner, args)
         self.load_adamw_state(optimizer, state)
@@ -232,13 +204,16 @@ class ZeRO1:
 
     def forward_backward(self, x, y, sync):
         """One micro-step; returns its loss. sync: the step's last micro-step."""
-        self.reducer.sync = sync
         with activations.first(), autocast(self.args, self.device):  # the bytes kept for backward
             _, loss = self.model(x, y)
-        # Loss / (A*N): the reduces' plain sums over the ranks are the mean (docs/zero3.md).
+        # Loss / (A*N): the buckets' plain sum over the ranks is the mean (docs/zero3.md).
         (loss / (self.args.grad_accum_steps * self.world_size)).backward()
-        self.reducer.finish_backward()
+        self.sync_gradients(sync)
         return loss.detach().float()
+
+    def sync_gradients(self, sync):
+        if sync:  # the earlier micro-steps only accumulated (DDP's no_sync)
+            self.buckets.all_reduce()
 
     @torch.no_grad()
     def eval_loss(self, x, y):
@@ -270,10 +245,77 @@ class TorchZeRO1(peers.torch_zero3.TorchZeRO1, ZeRO1):
 
 # ---- stage 2: the gradients sharded too, each reduced to its owner -------------------------
 
+class ReduceToOwner:
+    """Stage 2's (and 3's) gradient reduces (module docstring); persistent (replicated) gradients:
+    one all-reduce on the step's last micro-step. Hooks fire in the same order on every rank, so
+    all issue the same collectives. `sync = False`: not the step's last micro-step.
+    `owner`: {parameter: rank, None if persistent}; `masters`: {kept parameter: its fp32 master}."""
+
+    def __init__(self, owner, rank, masters, reduce_bucket_bytes):
+        self.owner, self.masters = owner, masters
+        self.owned = [masters[p] for p, r in owner.items() if r == rank]
+        self.persistent = [masters[p] for p, r in owner.items() if r is None]
+        self.reduces = deque()  # (gradient, its in-flight reduce or all-reduce), oldest first
+        self.in_flight = 0  # the bytes of those gradients
+        self.window = reduce_bucket_bytes  # --reduce_bucket_mb: the most bytes in flight
+        self.sync = True
+        self.first_micro_step = True  # the next backward's gradients replace zero_grad's zeros
+        for p in owner:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _grad_ready(self, p):
+        # Each rank sends p's fp32 gradient (numel x 4 bytes; tied wte: once, both uses summed) to
+        # the owner, which receives the sum; the owner's holds the earlier micro-steps' sums too.
+        grad = p.grad.float()  # bf16: an fp32 copy; fp32: p.grad itself
+        master = self.masters.get(p)
+        if master is not p:  # a non-owner's p.grad goes (the reduce holds it), and a bf16 one
+            p.grad = None
+            if master is not None and self.first_micro_step:  # bf16: the owner's fp32 master
+                master.grad = grad  # in place of zero_grad's zeros: no pass to add them
+            elif master is not None:
+                grad = master.grad.add_(grad)  # the sum so far goes to the reduce
+        if self.owner[p] is None and not self.sync:
+            return  # a replicated gradient only accumulates on this micro-step
+        # At most `window` bytes in flight (DeepSpeed's reduce_bucket_size): wait for the oldest.
+        nbytes = grad.numel() * grad.element_size()
+        while self.reduces and self.in_flight + nbytes > self.window:
+            self._wait_oldest()
+        if self.owner[p] is not None:
+            work = dist.reduce(grad, dst=self.owner[p], async_op=True)
+        else:  # replicated tensor: sum every rank's gradient on every rank
+            work = dist.all_reduce(grad, async_op=True)
+        self.reduces.append((grad, work))
+        self.in_flight += nbytes
+
+    def _wait_oldest(self):
+        # CUDA: the compute stream waits; the gradient's memory serves the kernels queued after.
+        grad, work = self.reduces.popleft()
+        with timers("reduce_wait"):  # exposed communication: what the overlap did not hide
+            work.wait()
+        self.in_flight -= grad.numel() * grad.element_size()
+
+    def finish_backward(self, sync):
+        """Wait for the gradient reduces; afterwards no rank holds a non-owned gradient. sync: this
+        was the step's last micro-step."""
+        while self.reduces:
+            self._wait_oldest()
+        self.first_micro_step = sync  # after the step's last, a step starts
+
+
 class ZeRO2(ZeRO1):
-    """Stage 2: ZeRO1 whose ReduceToOwner reduces on every micro-step (shard_grads), so that a
-    non-owner can drop each gradient as soon as its reduce is done."""
+    """Stage 2: ZeRO1 with ReduceToOwner in place of GradientBuckets."""
     sharded = "AdamW state and gradients"
+
+    def reduce_gradients(self):
+        window = int(self.args.reduce_bucket_mb * 2**20)  # bytes
+        self.reducer = ReduceToOwner(self.owner, self.rank, self.masters, window)
+
+    def forward_backward(self, x, y, sync):
+        self.reducer.sync = sync  # before backward: the persistent gradients wait for the last
+        return super().forward_backward(x, y, sync)
+
+    def sync_gradients(self, sync):
+        self.reducer.finish_backward(sync)  # the reduces left during backward, on every micro-step
 
 
 # ---- stage 3: the parameters sharded too, fetched around each module -------------------------
@@ -462,9 +504,11 @@ def check_zero3_args(args, world_size):
     for flag, default in stage_3_only.items():
         if args.stage < 3 and getattr(args, flag) != default:
             die(f"--{flag}: {str(getattr(args, flag)).lower()} applies to --stage 3 only")
+    window = ZeRO1.bucket_cap_mb  # --reduce_bucket_mb's default
+    if args.stage == 1 and args.reduce_bucket_mb != window:  # stage 1 all-reduces whole buffers
+        die(f"--reduce_bucket_mb: {args.reduce_bucket_mb:g} applies to --stage 2 and 3 only")
     peers.torch_zero3.check_args(args, dict(prefetch=True, persistence_threshold=0,
-                                            max_reuse_distance=10**9,
-                                            reduce_bucket_mb=ZeRO1.bucket_cap_mb))
+                                            max_reuse_distance=10**9, reduce_bucket_mb=window))
     check_batch_split(args, world_size)
     return world_size
 
@@ -553,37 +597,21 @@ def main(argv=None):
 
 @torch.no_grad()
 def gather_full_state(model, optimizer, owner, masters):
-    """The full checkpoint's model and optimizer dicts in rank 0's CPU memory (None elsewhere),
-    one tensor at a time: each owner sends rank 0 its fp32 master, exp_avg, exp_avg_sq (4 x numel
-    bytes each) and step (4 bytes); rank 0 copies each to the CPU before the next.
-    `owner`: {parameter: rank, None if persistent}; `masters`: {parameter: the tensor AdamW
-    updates here}."""
-    rank = dist.get_rank()
-    params, optim = {}, {}
+    """The full checkpoint's model and optimizer dicts in rank 0's CPU memory (None elsewhere):
+    each owner sends rank 0 its fp32 masters, exp_avg, exp_avg_sq (4 x numel bytes each) and step
+    (4 bytes), a tensor a message (gather_to_rank0). `owner`: {parameter: rank, None if persistent};
+    `masters`: {parameter: the tensor AdamW updates here}."""
+    entries = []
     for name, p in model.named_parameters():
         src = 0 if owner[p] is None else owner[p]  # a persistent tensor: rank 0's copy
-        if rank not in (0, src):
+        if src != dist.get_rank():
             continue
-        full = {}
+        state = optimizer.state[masters[p]]
         for key in ("param", "exp_avg", "exp_avg_sq", "step"):
-            if rank == src:  # the fp32 master and its AdamW state (step: a CPU tensor)
-                state = optimizer.state[masters[p]]
-                value = masters[p] if key == "param" else state[key].to(p.device, torch.float32)
-            else:  # rank 0 receives it
-                shape = () if key == "step" else p.shape
-                value = torch.empty(shape, dtype=torch.float32, device=p.device)
-                dist.recv(value, src=src)
-            if rank != 0:
-                dist.send(value, dst=0)
-            else:
-                full[key] = value.to("cpu", copy=True)
-        if rank == 0:
-            params[p] = full.pop("param")
-            optim[name] = full
-    if rank != 0:
-        return None, None
-    by_key = model.state_dict(keep_vars=True)  # both tied keys
-    return {k: params[v] for k, v in by_key.items()}, optim
+            value = masters[p] if key == "param" else state[key]  # step: a CPU tensor
+            make = lambda value=value, device=p.device: value.to(device, torch.float32)
+            entries.append((name, key, () if key == "step" else p.shape, torch.float32, make))
+    return gather_to_rank0(entries, True, model.config, next(model.parameters()).device)
 
 
 def print_partition(owner, load, persistent_bytes):

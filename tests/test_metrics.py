@@ -153,8 +153,7 @@ def zero_reduce_wait(work):
     grad = torch.zeros(2)
     reduces.reduces = collections.deque([(grad, work)])  # the window's queue, oldest first
     reduces.in_flight = grad.numel() * grad.element_size()
-    reduces.sync = True  # the step's last micro-step
-    reduces.finish_backward()
+    reduces.finish_backward(True)  # the step's last micro-step
     assert reduces.in_flight == 0
 
 
