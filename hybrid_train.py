@@ -1,14 +1,12 @@
 """Hybrid: DP x TP x PP x CP in one run (4D parallelism), by hand.
 
 The N ranks form a grid, ranks = arange(N).view(dp, pp, cp, tp): each axis is a process group of
-the ranks that differ in that coordinate only. TP varies fastest (tp consecutive ranks, one node's
-fast links: it talks in every block), then CP, PP, and DP outermost, across nodes, once a step
-(torchtitan's and Megatron's order). Each part is its script's, shortened (the lesson is there):
-TP (tp_train.py: Megatron's f and g, vocabulary-parallel embedding, head and loss, and SP:
---sequence_parallel), CP (cp_train.py's ring, zigzag split, over a TP rank's heads only), PP
-(pp_train.py's 1F1B over --n_microbatches) and DP (ddp_train.py, over the dp x cp ranks, which hold
-equal shares of the tokens). The tied wte (first stage) and lm_head (last) are split by vocabulary
-over TP; the two ends of each (dp, cp, tp) place sum their gradients. Seams: docs/hybrid.md.
+the ranks that differ in that coordinate only. TP varies fastest (one node's fast links: it talks in
+every block), DP slowest (across nodes, once a step), as in torchtitan and Megatron. Each part is
+its script's, shortened: tp_train.py (f and g, the vocabulary-parallel embedding, head and loss,
+SP: --sequence_parallel), cp_train.py (the zigzag ring, over a TP rank's heads), pp_train.py (1F1B
+over --n_microbatches), ddp_train.py (over the dp x cp ranks: equal shares of the tokens). The tied
+wte and lm_head, split by vocabulary, sum their gradients over the pp ends. Seams: docs/hybrid.md.
 Per rank, P parameters, b rows a micro-batch, C = n_embd, 4 bytes a number:
   model state  16 bytes a parameter (param, grad, AdamW's two moments) of about P/(tp*pp): its
                stage's TP shards, the replicated LayerNorms, wpe and row-parallel biases, and on
@@ -678,8 +676,7 @@ def add_hybrid_flags(group):
 def check_hybrid_args(args, world_size):
     """Bad input: one line, before anything is built. Fills in the four sizes; returns dp."""
     sizes = {axis: getattr(args, SIZE_FLAGS[axis]) for axis in AXES}  # None: not given
-    error = grid_error(sizes, world_size)
-    if error:
+    if error := grid_error(sizes, world_size):
         die(error)
     tp, pp, cp = (sizes[axis] or 1 for axis in ("tp", "pp", "cp"))
     dp = world_size // (tp * pp * cp)
