@@ -1,5 +1,6 @@
 """Shared test plumbing: offline data, launching scripts under torchrun, spawning gloo ranks."""
 import importlib
+import itertools
 import json
 import os
 import pickle
@@ -48,10 +49,24 @@ if data.OFFLINE_DIR not in os.environ and os.path.isfile(os.path.join(SHARED, da
     os.environ[data.OFFLINE_DIR] = SHARED
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     error = data.use_offline_dir()  # a folder without the files: one line, before any test
     if error is not None:
         raise pytest.UsageError(error)
+    # pytest-xdist's -n: --dist loadgroup whatever --dist says, so that the groups below hold
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, one worker runs each group: every test that reads a shared_run (the runs the parity,
+    resume, profile and ledger tests share, each made once), and each other file's tests (its module fixtures,
+    such as test_zero3.py's spawned ranks, made once). Without -n the marks do nothing."""
+    for item in items:
+        group = "shared_run" if "shared_run" in item.fixturenames else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 # A small config where one step takes a few tens of milliseconds on CPU.
@@ -393,10 +408,22 @@ def cpu_copies_only(memory, *states):
     return len(tensors) > 0 and all(memory.is_cpu_copy(t) for t in tensors)
 
 
+_ports = itertools.count()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port, which this process alone hands out: under pytest-xdist worker gwN takes only ports from
+    its own range, 20000 + 500 N onwards (below Linux's ephemeral range, where the kernel picks the ports that
+    bind(0) and connections take), so no two workers pick one port between checking it and using it."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    while True:
+        port = 20000 + 500 * worker + next(_ports) % 500
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use: the next one
+                continue
+            return port
 
 
 def _worker(rank, world_size, port, fn, args, queue):

@@ -13,6 +13,7 @@ The rows of AS_USERS_TORCH, one or more for each script and implementation, run 
 (tests/user_torch.py): AdamW on its fused path, the scripts' own, counted, and the project's code without torch 2.13's
 collective names (tests/test_torch_versions.py).
 """
+import fcntl
 import json
 import math
 import os
@@ -245,6 +246,7 @@ def check(name, run, reference, plain, tol=TOL, norm_tol=NORM_TOL, first=0, step
 def record(name, deltas):
     os.makedirs(os.path.join(REPO, "out"), exist_ok=True)
     with open(os.path.join(REPO, "out", "parity.jsonl"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # pytest-xdist: one writer at a time, a whole line each
         f.write(json.dumps({"run": name, **deltas}) + "\n")
     print(name, deltas)
 
