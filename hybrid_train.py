@@ -113,9 +113,7 @@ class Grid:
         # nccl: each group connects here (new_group inherits setup's device_id), so the pp group's
         # first batch_isend_irecv may be stages 0 and 1 alone; a lazy one would need every rank.
         self.groups = {axes: my_group(axis_groups(self.ranks, axes)) for axes in GROUPS}
-        self.tied_group = None
-        if pp > 1:
-            self.tied_group = my_group(tied_pairs(self.ranks))
+        self.tied_group = my_group(tied_pairs(self.ranks)) if pp > 1 else None  # the pp ends
     def group(self, *axes):
         return self.groups[axes]
     def neighbour(self, step):
@@ -528,7 +526,7 @@ class Hybrid:
         blocks = self.model.transformer.h.values()
         compile_forward(blocks, args.compile, BLOCK_LINEARS + ("attn.attend",))
         # full: a block's recompute runs its f, g and the CP ring again, at the B of its micro-batch
-        checkpoint_blocks(self.model.transformer.h.values(), args.activation_checkpointing)
+        checkpoint_blocks(blocks, args.activation_checkpointing)
         dp_cp = self.grid.group("dp", "cp")
         self.buckets = GradientBuckets(list(self.model.parameters()), args.bucket_cap_mb, dp_cp)
         # a micro-batch is 1/(M*A) of my rows, the dp*cp ranks summed hold equal shares: sum = mean
