@@ -19,6 +19,7 @@ Run:
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv-backend=c10d \\
            --rdzv-endpoint=HOST:29500 ddp_train.py       # 2 nodes x 8 GPUs (node_rank=1 on node 2)
   python ddp_train.py --implementation pytorch          # torch.nn.parallel.DistributedDataParallel
+The buckets' order, the mean on the loss, no-sync accumulation: docs/ddp.md.
 """
 import os
 import time

@@ -23,6 +23,7 @@ Run:
   python fsdp_train.py --implementation pytorch          # torch's fully_shard (FSDP2)
   torchrun --standalone --nproc_per_node=2 fsdp_train.py --deferred_init --sharded_checkpoint
   torchrun --standalone --nproc_per_node=2 fsdp_train.py --resume_sharded out/fsdp/sharded
+Traffic, accumulation, bf16, reshard and deferred init, the choices: docs/fsdp.md.
 """
 import os
 import time

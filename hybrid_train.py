@@ -6,7 +6,7 @@ every block), DP slowest (across nodes, once a step), as in torchtitan and Megat
 its script's, shortened: tp_train.py (f and g, the vocabulary-parallel embedding, head and loss,
 SP: --sequence_parallel), cp_train.py (the zigzag ring, over a TP rank's heads), pp_train.py (1F1B
 over --n_microbatches), ddp_train.py (over the dp x cp ranks: equal shares of the tokens). The tied
-wte and lm_head, split by vocabulary, sum their gradients over the pp ends. Seams: docs/hybrid.md.
+wte and lm_head, split by vocabulary, sum their gradients over the pp ends.
 Per rank, P parameters, b rows a micro-batch, C = n_embd, 4 bytes a number:
   model state  16 bytes a parameter (param, grad, AdamW's two moments) of about P/(tp*pp): its
                stage's TP shards, the replicated LayerNorms, wpe and row-parallel biases, and on
@@ -31,6 +31,7 @@ Run:
            --pipeline_parallel_size 2                        # TP inside a node, PP across nodes
   torchrun --standalone --nproc_per_node=4 hybrid_train.py --tensor_parallel_size 2 \\
            --pipeline_parallel_size 2 --implementation pytorch  # peers/torch_hybrid.py
+The grid's groups, its seams, what is tested and PyTorch's version: docs/hybrid.md.
 """
 import datetime
 import math
