@@ -260,7 +260,7 @@ def probe(script, nproc, args, tmp_path):
     return [json.loads((tmp_path / "probe" / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-def launch_as_user(script, nproc, args, adamw="fused"):
+def launch_as_user(script, nproc, args, adamw="fused", timeout=300):
     """Runs the script under tests/user_torch.py on nproc ranks (torchrun=False): AdamW on its `adamw` path
     (fused: the scripts' own on every device; or foreach, CUDA's default for an AdamW built without a path) and
     the project's code without torch 2.13's collective names. Returns
@@ -269,7 +269,8 @@ def launch_as_user(script, nproc, args, adamw="fused"):
         env = {"USER_TORCH_OUT": out, "USER_TORCH_ADAMW": adamw, "USER_TORCH_BEFORE_2_13": "1"}
         os.environ.update(env)
         try:
-            result = launch("tests/user_torch.py", nproc, [script, *args], torchrun=False, old_names=True)
+            result = launch("tests/user_torch.py", nproc, [script, *args], timeout=timeout, torchrun=False,
+                            old_names=True)
         finally:
             for key in env:
                 del os.environ[key]
@@ -325,23 +326,25 @@ def shared_run(tmp_path_factory):
     as_user: run it as launch_as_user does (AdamW's fused path, counted; torch < 2.13's collective names)."""
     runs = {}
 
-    def batch(script, nproc, many, as_user=False):
-        """Runs every args of `many` not run yet in one launch (tests/runs.py, or tests/user_torch.py's several
-        runs), each into its own out_dir, and keeps each under its own key, as get() would have: a launch is
-        mostly start-up (about 7 s at 2 ranks), a tiny run a fraction of a second."""
-        todo = [list(args) for args in dict.fromkeys(map(tuple, many)) if (script, nproc, args, as_user) not in runs]
+    def batch(nproc, many, as_user=False):
+        """Runs every (script, args) of `many` not run yet in one launch (tests/runs.py, or tests/user_torch.py's
+        several runs: one process group, each run its script's main()), each into its own out_dir, and keeps each
+        under its own key, as get() would have: a launch is mostly start-up (about 7 s at 2 ranks), a tiny run a
+        fraction of a second."""
+        todo = [(script, list(args)) for script, args in dict.fromkeys((s, tuple(a)) for s, a in many)
+                if (script, nproc, args, as_user) not in runs]
         if len(todo) < 2:
             return
         out_dirs = [tmp_path_factory.mktemp("run") for _ in todo]
         argv = []
-        for args, out_dir in zip(todo, out_dirs):
-            argv += args + ["--out_dir", str(out_dir), "---"]
+        for (script, args), out_dir in zip(todo, out_dirs):
+            argv += [script] + args + ["--out_dir", str(out_dir), "---"]
         if as_user:
-            result = launch_as_user(script, nproc, argv[:-1])
+            result = launch_as_user(argv[0], nproc, argv[1:-1], timeout=60 + 30 * len(todo))
         else:
-            result = launch("tests/runs.py", nproc, [script] + argv[:-1], torchrun=False)
-        assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        for k, (args, out_dir) in enumerate(zip(todo, out_dirs)):
+            result = launch("tests/runs.py", nproc, argv[:-1], timeout=60 + 30 * len(todo), torchrun=False)
+        assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        for k, ((script, args), out_dir) in enumerate(zip(todo, out_dirs)):
             one = subprocess.CompletedProcess(result.args, 0, result.stdout, result.stderr)
             if as_user:  # each rank's multi-tensor AdamW steps in this run
                 one.adamw_multi_tensor_steps = [per_run[k] for per_run in result.adamw_per_run]

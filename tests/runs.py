@@ -1,11 +1,12 @@
 """Runs a strategy script's main() several times in one process per rank, so that one torchrun launch
 serves several short runs (a launch costs seconds of start-up, a tiny run a fraction of one).
 
-    torchrun --standalone --nproc_per_node=N tests/runs.py <script> <flags...> [--- <flags...>]...
+    torchrun --standalone --nproc_per_node=N tests/runs.py <script> <flags...> [--- [<script>] <flags...>]...
 
-Each group of flags after the script is one run, in order; the process group is set up by the first.
-Each run starts with dynamo's caches and counters cleared (torch._dynamo.reset(): a run compiles as a fresh
-process would, with no earlier run's graphs or recompile limit) and, when it has an --out_dir, leaves there
+Each group of flags after the script is one run, in order; the process group is set up by the first. A group
+that starts with a script's name runs that script, and so do the groups after it (split_runs).
+Each run starts with dynamo's caches and counters cleared (torch._dynamo.reset() and counters.clear(): a run
+compiles as a fresh process would, with no earlier run's graphs, recompile limit or counts) and, when it has an --out_dir, leaves there
 dynamo_rank<RANK>.json, this rank's torch._dynamo.utils.counters after its first training step and at its end:
     {"after_first_step": {"frames": {...}, "stats": {...}, "graph_break": {...}}, "end": {...}}
 """
@@ -43,21 +44,30 @@ Metrics.step = step_counted(Metrics.step)  # the scripts' Metrics: common.metric
 
 
 def split_runs(argv):
-    runs = [[]]
+    """[(script module name, flags), ...] from `<script> <flags> --- [<script>] <flags> ...`."""
+    groups, runs, script = [[]], [], None
     for arg in argv:
         if arg == "---":
-            runs.append([])
+            groups.append([])
         else:
-            runs[-1].append(arg)
+            groups[-1].append(arg)
+    for flags in groups:
+        if flags and flags[0].endswith("_train.py"):
+            script, flags = os.path.basename(flags[0])[:-3], flags[1:]
+        runs.append((script, flags))
     return runs
 
 
 if __name__ == "__main__":
-    script = importlib.import_module(os.path.basename(sys.argv[1])[:-3])
-    for argv in split_runs(sys.argv[2:]):
+    runs = split_runs(sys.argv[1:])
+    # Every script imported before the first run makes a process group, as in a run of its own: a module
+    # imported later binds the live default group into its functions' default arguments, past teardown.
+    scripts = {script: importlib.import_module(script) for script, _ in runs}
+    for script, argv in runs:
         torch._dynamo.reset()
+        counters.clear()  # each run's own: an earlier run may have compiled too
         after_first_step.clear()
-        script.main(argv)
+        scripts[script].main(argv)
         if "--out_dir" in argv and after_first_step:
             name = f"dynamo_rank{os.environ.get('RANK', '0')}.json"
             with open(os.path.join(argv[argv.index("--out_dir") + 1], name), "w") as f:

@@ -309,10 +309,10 @@ def test_reference_equals_plain_pytorch(references):
 def test_parity(script, implementation, nproc, extra, references, shared_run):
     reference, plain = references(extra)
     as_user = (script, implementation, nproc, tuple(extra)) in AS_USERS_TORCH
-    # every row of this script, rank count and launcher (as_user or not) that this torch runs: one launch
-    group = [FLAGS + ["--implementation", i] + list(x) for s, i, n, x in STRATEGIES
-             if (s, n) == (script, nproc) and ((s, i, n, tuple(x)) in AS_USERS_TORCH) == as_user and runs_here(s, i)]
-    shared_run.batch(script, nproc, group, as_user)
+    # every row of this rank count and launcher (as_user or not) that this torch runs, every script's: one launch
+    group = [(s, FLAGS + ["--implementation", i] + list(x)) for s, i, n, x in STRATEGIES
+             if n == nproc and ((s, i, n, tuple(x)) in AS_USERS_TORCH) == as_user and runs_here(s, i)]
+    shared_run.batch(nproc, group, as_user)
     out_dir, result = shared_run(script, nproc, FLAGS + ["--implementation", implementation] + extra, as_user)
     if as_user:  # every rank took AdamW's multi-tensor path at every step
         assert min(result.adamw_multi_tensor_steps) >= STEPS, result.adamw_multi_tensor_steps

@@ -114,15 +114,20 @@ sys.path[0] = REPO
 if "---" not in sys.argv:
     runpy.run_path(os.path.join(REPO, script), run_name="__main__")
     record["per_run"].append(record["adamw_multi_tensor_steps"])
-else:  # several runs: the script imported from this checkout (so the narrowed imports apply), main() per run
-    module = importlib.import_module(os.path.basename(script)[:-3])
+else:  # several runs, as tests/runs.py's (a run may start with another script's name): each script imported
+    # from this checkout (so the narrowed imports apply), all before the first run (tests/runs.py says why)
     runs = [[]]
-    for arg in sys.argv[1:]:
+    for arg in sys.argv:
         if arg == "---":
             runs.append([])
         else:
             runs[-1].append(arg)
+    scripts = []
     for argv in runs:
+        if argv[0].endswith("_train.py"):
+            script, argv[:] = argv[0], argv[1:]
+        scripts.append(importlib.import_module(os.path.basename(script)[:-3]))
+    for module, argv in zip(scripts, runs):
         before = record["adamw_multi_tensor_steps"]
         module.main(argv)
         record["per_run"].append(record["adamw_multi_tensor_steps"] - before)
