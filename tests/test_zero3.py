@@ -21,8 +21,8 @@ from common.distributed import clip_grad_norm_
 from common.config import parse_args
 from common.data import get_batch
 from common.metrics import activations, held_bytes, model_state_bytes
-from common.model import GPT, PRESETS, GPTConfig, configure_optimizer, init_tensor, num_params
-from zero3_tuning_train import (STAGES, ParamFetcher, ReduceToOwner, ZeRO1, ZeRO2, ZeRO3, add_zero3_flags,
+from common.model import GPT, PRESETS, GPTConfig, configure_optimizer, init_tensor
+from zero3_tuning_train import (STAGES, ParamFetcher, ReduceToOwner, ZeRO3, add_zero3_flags,
                          gather_full_state, materialize_owned_, partition)
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)  # wte is 97% of P
