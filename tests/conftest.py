@@ -251,13 +251,20 @@ def refusal(script, nproc, args, monkeypatch, capsys):
 def probe(script, nproc, args, tmp_path):
     """Runs the script's real main() under tests/probe.py on nproc ranks (torchrun=False, as the numeric tests
     do); returns each rank's record (see tests/probe.py) by rank."""
+    return probe_runs(nproc, [(script, args)], tmp_path)[0]
+
+
+def probe_runs(nproc, runs, tmp_path):
+    """probe() of several (script, args) runs in one launch, each its script's main() in turn: their records."""
     os.environ["PROBE_OUT"] = str(tmp_path / "probe")
     try:
-        result = launch("tests/probe.py", nproc, [script, *args], torchrun=False)
+        argv = [arg for script, args in runs for arg in [script, *args, "---"]][:-1]
+        result = launch("tests/probe.py", nproc, argv, timeout=60 + 30 * len(runs), torchrun=False)
     finally:
         del os.environ["PROBE_OUT"]
     assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads((tmp_path / "probe" / f"rank{r}.json").read_text()) for r in range(nproc)]
+    folders = [tmp_path / "probe"] if len(runs) == 1 else [tmp_path / "probe" / str(k) for k in range(len(runs))]
+    return [[json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc)] for folder in folders]
 
 
 def launch_as_user(script, nproc, args, adamw="fused", timeout=300):
@@ -316,6 +323,25 @@ def cut_args(implementation):
     --profile: tests/test_profile.py reads its traces (one launch for both; profiling changes no number)."""
     return PARITY + ["--lr_decay_iters", str(PARITY_STEPS), "--implementation", implementation,
                      "--max_iters", str(CUT), "--profile"]
+
+
+def runs_here(script, implementation):
+    """Whether this torch runs (script, implementation): peer_needs marks no skip."""
+    return not any(mark.args[0] for mark in peer_needs(script, implementation))
+
+
+# Every cut run, each script's hand-written one and PyTorch's where it runs on CPU (cp's needs CUDA): the resume,
+# cross-strategy, checkpoint-state and profile tests all read them, so the first to ask runs them all in one launch.
+CUT_SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py",
+               "pp_zb_train.py", "pp_vocab_train.py", "zero3_tuning_train.py", "tp_overlap_train.py"]
+CUT_RUNS = [(s, "custom") for s in CUT_SCRIPTS] + [(s, "pytorch") for s in CUT_SCRIPTS[:5]]
+
+
+def cut_run_dir(shared_run, script, implementation):
+    """The out_dir of the 2-rank cut run (cut_args) of this script and implementation, made by shared_run: every cut
+    run this torch runs (CUT_RUNS) in one launch, the first time one is asked for."""
+    shared_run.batch(2, [(s, cut_args(i)) for s, i in CUT_RUNS if runs_here(s, i)])
+    return shared_run(script, 2, cut_args(implementation))[0]
 
 
 @pytest.fixture(scope="session")

@@ -1,23 +1,23 @@
 """Runs a strategy script's real main() and records what each rank's model saw, to prove a strategy
 is what it claims and not single-process training in disguise (tests/test_ddp.py, tests/test_tp.py).
 
-    PROBE_OUT=<dir> python tests/probe.py <script> <flags...>      (or as a torchrun/launch() worker)
+    PROBE_OUT=<dir> python tests/probe.py <script> <flags...> [--- [<script>] <flags...>]...   (a launch() worker)
 
 A global forward pre-hook on every common.model.GPT (and subclass) records, per rank, the row count of
 each training forward's input and the input itself, a digest of the model's parameters (this rank's local part, bytes as
 they are) at each training forward, and, at the first one, the local shape of each parameter (a
 DTensor's local shard). The torch.distributed collectives are wrapped to count calls by dtype. At
-exit it writes <dir>/rank<RANK>.json:
+the end of each run it writes <dir>/rank<RANK>.json (one run) or <dir>/<k>/rank<RANK>.json (the k-th of several
+runs, separated by "---" as tests/runs.py's are, each its script's main() in this process):
     {"rank", "world_size", "train_rows": [rows per training forward], "eval_rows": [...], "train_x": [token ids],
      "digests": [sha256 per training forward], "params": {name: local shape},
      "collectives": {"all_reduce:torch.float32": calls, ..., "batch_isend_irecv:torch.float32": ops}}
 """
-import atexit
 import collections
 import hashlib
+import importlib
 import json
 import os
-import runpy
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,8 +25,9 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from common.distributed import BEFORE_2_13, torch_name  # noqa: E402
+from common.distributed import BEFORE_2_13, teardown, torch_name  # noqa: E402
 from common.model import GPT  # noqa: E402
+from runs import split_runs  # noqa: E402
 
 record = dict(rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
               train_rows=[], eval_rows=[], train_x=[], digests=[], params=None, collectives=collections.Counter())
@@ -64,10 +65,11 @@ def counted(name, collective):
     return call
 
 
-def write():
-    os.makedirs(os.environ["PROBE_OUT"], exist_ok=True)
-    with open(os.path.join(os.environ["PROBE_OUT"], f"rank{record['rank']}.json"), "w") as f:
+def write(folder):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"rank{record['rank']}.json"), "w") as f:
         json.dump(record, f)
+    record.update(train_rows=[], eval_rows=[], train_x=[], digests=[], params=None, collectives=collections.Counter())
 
 
 torch.nn.modules.module.register_module_forward_pre_hook(hook)
@@ -87,8 +89,10 @@ def batch_isend_irecv(ops):  # one count per send or receive in the batch
 
 
 torch.distributed.batch_isend_irecv = batch_isend_irecv
-atexit.register(write)
-script = sys.argv[1]
-sys.argv = sys.argv[1:]
-sys.path[0] = REPO
-runpy.run_path(os.path.join(REPO, script), run_name="__main__")
+runs = split_runs(sys.argv[1:])
+scripts = {script: importlib.import_module(script) for script, _ in runs}  # before any group (tests/runs.py)
+for k, (script, argv) in enumerate(runs):
+    sys.argv = [f"{script}.py", *argv]  # as in a run of its own (tests/runs.py)
+    scripts[script].main(argv)
+    write(os.environ["PROBE_OUT"] if len(runs) == 1 else os.path.join(os.environ["PROBE_OUT"], str(k)))
+teardown()

@@ -40,9 +40,6 @@ def step_counted(step):
     return call
 
 
-Metrics.step = step_counted(Metrics.step)  # the scripts' Metrics: common.metrics' one class
-
-
 def split_runs(argv):
     """[(script module name, flags), ...] from `<script> <flags> --- [<script>] <flags> ...`."""
     groups, runs, script = [[]], [], None
@@ -59,6 +56,7 @@ def split_runs(argv):
 
 
 if __name__ == "__main__":
+    Metrics.step = step_counted(Metrics.step)  # the scripts' Metrics: common.metrics' one class
     runs = split_runs(sys.argv[1:])
     # Every script imported before the first run makes a process group, as in a run of its own: a module
     # imported later binds the live default group into its functions' default arguments, past teardown.
@@ -67,6 +65,7 @@ if __name__ == "__main__":
         torch._dynamo.reset()
         counters.clear()  # each run's own: an earlier run may have compiled too
         after_first_step.clear()
+        sys.argv = [f"{script}.py", *argv]  # as in a run of its own (a checkpoint names the script that wrote it)
         scripts[script].main(argv)
         if "--out_dir" in argv and after_first_step:
             name = f"dynamo_rank{os.environ.get('RANK', '0')}.json"

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import PARITY, PARITY_STEPS, TINY, peer_needs, probe, spawn, step_losses
+from conftest import PARITY, PARITY_STEPS, TINY, peer_needs, probe_runs, spawn, step_losses
 from common.config import gpt_config, parse_args
 from common.data import get_batch
 from cp_train import ContextParallel, add_cp_flags, check_cp_args
@@ -40,13 +40,27 @@ FP32_GRADIENTS = {"fsdp_train.py": "reduce_scatter_single:torch.float32", "zero3
 NO_BF16 = {"ddp_train.py": "all_reduce:torch.bfloat16", "cp_train.py": "all_reduce:torch.bfloat16"}
 
 
+def bf16_runs_here(script, implementation):
+    return not any(mark.args[0] for mark in peer_needs(script, implementation, "bfloat16"))
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(tmp_path_factory):
+    """Every row of RUNS that this torch runs, probed in one launch at 2 ranks: {(script, implementation): (its
+    out_dir, its ranks' probe records)}."""
+    rows = [row for row in RUNS if bf16_runs_here(*row)]
+    out_dirs = [tmp_path_factory.mktemp("bf16") for _ in rows]
+    runs = [(script, [*FLAGS, "--dtype", "bfloat16", "--implementation", implementation, "--out_dir", str(out)])
+            for (script, implementation), out in zip(rows, out_dirs)]
+    return dict(zip(rows, zip(out_dirs, probe_runs(2, runs, tmp_path_factory.mktemp("probe")))))
+
+
 @pytest.mark.parametrize("script,implementation", [pytest.param(*r, marks=peer_needs(*r, "bfloat16")) for r in RUNS],
                          ids=[f"{s[:-9]}-{i}" for s, i in RUNS])
-def test_bf16_tracks_fp32_and_sends_bf16(script, implementation, shared_run, tmp_path):
+def test_bf16_tracks_fp32_and_sends_bf16(script, implementation, shared_run, bf16_runs):
     reference = step_losses(shared_run("ddp_train.py", None, FLAGS)[0])
-    ranks = probe(script, 2, [*FLAGS, "--dtype", "bfloat16", "--implementation", implementation,
-                              "--out_dir", str(tmp_path)], tmp_path)
-    losses = step_losses(tmp_path)
+    out_dir, ranks = bf16_runs[(script, implementation)]
+    losses = step_losses(out_dir)
     delta = max(abs(a - b) for a, b in zip(losses, reference))
     print(f"{script} {implementation} bf16: max |loss - fp32 reference| over {len(losses)} steps = {delta:.4f}")
     assert len(losses) == PARITY_STEPS and delta <= TOL

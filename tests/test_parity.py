@@ -22,7 +22,7 @@ import re
 import pytest
 import torch
 
-from conftest import PARITY, PARITY_EVAL_ITERS, PARITY_STEPS, REPO, peer_needs, run_record
+from conftest import PARITY, PARITY_EVAL_ITERS, PARITY_STEPS, REPO, peer_needs, run_record, runs_here
 from common.data import get_batch
 from common.model import GPT, GPTConfig
 
@@ -136,11 +136,6 @@ AS_USERS_TORCH = {
     ("fsdp_train.py", "custom", 2, ()), ("fsdp_train.py", "pytorch", 2, ()),  # ShardedAdamW; FSDP2
     ("ddp_train.py", "custom", 2, ()), ("ddp_train.py", "pytorch", 2, ()),
 }
-
-
-def runs_here(script, implementation):
-    """Whether this torch runs (script, implementation): peer_needs marks no skip."""
-    return not any(mark.args[0] for mark in peer_needs(script, implementation))
 
 
 def row_id(script, implementation, nproc, extra):

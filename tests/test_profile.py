@@ -11,10 +11,9 @@ import sys
 
 import pytest
 
-from conftest import REPO, cut_args
+from conftest import CUT_SCRIPTS, REPO, cut_run_dir
 
-SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py",
-           "pp_zb_train.py", "pp_vocab_train.py", "zero3_tuning_train.py", "tp_overlap_train.py"]  # tier 2 too
+SCRIPTS = CUT_SCRIPTS  # tier 2 too
 
 
 def trace_events(path):
@@ -24,7 +23,7 @@ def trace_events(path):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_profile_trace_shows_communication_and_compute(script, shared_run):
-    out_dir, _ = shared_run(script, 2, cut_args("custom"))  # the 6-step run the resume tests continue
+    out_dir = cut_run_dir(shared_run, script, "custom")  # the 6-step run the resume tests continue
     traces = sorted(glob.glob(os.path.join(out_dir, "profile", "*.pt.trace.json")))
     assert [os.path.basename(t).split(".")[0] for t in traces] == ["rank0", "rank1"]
     for trace in traces:

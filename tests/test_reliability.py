@@ -28,17 +28,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (CUT, PARITY, PARITY_STEPS, REPO, cut_args, free_port, launch, peer_needs, read_metrics,
-                      refusal, step_losses, the_one_error)
+from conftest import (CUT, CUT_SCRIPTS, PARITY, PARITY_STEPS, REPO, cut_run_dir, free_port, launch, peer_needs,
+                      read_metrics, refusal, runs_here, step_losses, the_one_error)
 from common.checkpoint import set_adamw_state
 from common.model import configure_optimizer
 
-SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py"]
+SCRIPTS = CUT_SCRIPTS  # tier 1, then tier 2: each copy resumed as its base is, at its defaults
 TORCH_ON_CPU = SCRIPTS[:5]  # cp's PyTorch implementation needs CUDA SDPA kernels (tests/test_cp.py)
-# tier 2, each resumed as its base is: pp_train.py's copies (their checkpoint code is copied too), at their defaults
-SCRIPTS += ["pp_zb_train.py", "pp_vocab_train.py"]
-SCRIPTS += ["zero3_tuning_train.py"]  # zero3_train.py's copy with DeepSpeed's tuning knobs, at their defaults
-SCRIPTS += ["tp_overlap_train.py"]  # tp_train.py's copy with --tp_overlap (on by default); custom only
 # The parity config (so that the uninterrupted runs and the reference are test_parity.py's own runs,
 # shared through the shared_run fixture). --lr_decay_iters pins the schedule, so a run with fewer
 # --max_iters is a prefix of the longer one.
@@ -72,15 +68,32 @@ def reference(shared_run):
 def cut_run(shared_run, script, implementation, out):
     """Copies into `out` the run of CUT steps of this script at 2 ranks (one run per session, shared by the
     resume and cross-strategy tests): its checkpoint at step CUT and the metrics of steps 0..CUT-1."""
-    source, _ = shared_run(script, 2, cut_args(implementation))
-    shutil.copytree(source, out, dirs_exist_ok=True)
+    shutil.copytree(cut_run_dir(shared_run, script, implementation), out, dirs_exist_ok=True)
     assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == CUT
 
 
-def _cut_and_resume(shared_run, script, implementation, out):
+@pytest.fixture(scope="module")
+def resumed(shared_run, tmp_path_factory):
+    """Every resume below in one launch of tests/runs.py at 2 ranks: each (first, implementation, second,
+    implementation) continues a copy of first's cut run in second to STEPS. Returns {key: out_dir} and the launch's
+    result; a run's "resuming from" line names its own out_dir."""
+    jobs = [(s, "custom", s, "custom") for s in SCRIPTS] + [(f, impl(f), s, impl(s)) for f, s in CROSS]
+    jobs = [job for job in jobs if runs_here(*job[:2]) and runs_here(*job[2:])]
+    out_dirs, argv = {}, []
+    for first, first_impl, second, second_impl in jobs:
+        out = out_dirs[(first, first_impl, second, second_impl)] = tmp_path_factory.mktemp("resume")
+        cut_run(shared_run, first, first_impl, out)
+        argv += [second, *FLAGS, "--implementation", second_impl, "--max_iters", str(STEPS), "--resume",
+                 "--out_dir", str(out), "---"]
+    result = launch("tests/runs.py", 2, argv[:-1], timeout=60 + 30 * len(jobs), torchrun=False)
+    assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return out_dirs, result
+
+
+def _cut_and_resume(resumed, script, implementation):
     """CUT steps, then --resume to STEPS in the same out_dir; returns the logged losses by step."""
-    cut_run(shared_run, script, implementation, out)
-    result = run(script, 2, ["--implementation", implementation, "--max_iters", str(STEPS), "--resume"], out)
+    out_dirs, result = resumed
+    out = out_dirs[(script, implementation, script, implementation)]
     assert f"resuming from {out / 'ckpt.pt'} at step {CUT}" in result.stdout
     losses = [r for r in read_metrics(out) if "loss" in r]
     assert [r["step"] for r in losses] == list(range(STEPS))  # the lines before CUT kept, each step once
@@ -89,8 +102,8 @@ def _cut_and_resume(shared_run, script, implementation, out):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_resume_is_bit_identical(script, shared_run, tmp_path):
-    assert _cut_and_resume(shared_run, script, "custom", tmp_path) == uninterrupted(shared_run, script, 2)
+def test_resume_is_bit_identical(script, shared_run, resumed):
+    assert _cut_and_resume(resumed, script, "custom") == uninterrupted(shared_run, script, 2)
 
 
 def impl(script):
@@ -108,10 +121,11 @@ CROSS = [("fsdp_train.py", "tp_train.py"), ("ddp_train.py", "pp_train.py"), ("ze
 
 @pytest.mark.parametrize("first,second", [pytest.param(f, s, marks=peer_needs(f, impl(f)) + peer_needs(s, impl(s)))
                                           for f, s in CROSS])
-def test_cross_strategy_resume_matches_the_reference(first, second, shared_run, reference, tmp_path):
-    cut_run(shared_run, first, impl(first), tmp_path)
-    run(second, 2, ["--max_iters", str(STEPS), "--resume", "--implementation", impl(second)], tmp_path)
-    got = by_step(tmp_path)
+def test_cross_strategy_resume_matches_the_reference(first, second, resumed, reference):
+    out_dirs, result = resumed
+    out = out_dirs[(first, impl(first), second, impl(second))]
+    assert f"resuming from {out / 'ckpt.pt'} at step {CUT}" in result.stdout
+    got = by_step(out)
     assert sorted(got) == list(range(STEPS))
     delta = max(abs(got[s] - reference[s]) for s in range(STEPS))
     print(f"{first} {impl(first)} -> {second} {impl(second)}: max |dloss| vs the reference over {STEPS} steps = "
@@ -133,7 +147,7 @@ def test_every_cut_checkpoint_is_the_same_full_state(script, implementation, sha
     """The checkpoints the resume tests continue (no launch of its own, read where they were written), against
     ddp's: the same step, model keys and shapes, AdamW state per parameter name, and values within STATE_TOL of
     each tensor's largest."""
-    ref, got = (torch.load(shared_run(s, 2, cut_args(i))[0] / "ckpt.pt", weights_only=False)
+    ref, got = (torch.load(cut_run_dir(shared_run, s, i) / "ckpt.pt", weights_only=False)
                 for s, i in (("ddp_train.py", "custom"), (script, implementation)))
     assert got["step"] == ref["step"] == CUT and got["config"] == ref["config"]
     assert {k: v.shape for k, v in got["model"].items()} == {k: v.shape for k, v in ref["model"].items()}

@@ -14,7 +14,7 @@ import shutil
 import torch
 from torch.torch_version import TorchVersion
 
-from conftest import PARITY, PARITY_STEPS, cut_args, launch_as_user, refusal, step_losses
+from conftest import PARITY, PARITY_STEPS, cut_run_dir, launch_as_user, refusal, step_losses
 from common import config
 from test_parity import AS_USERS_TORCH, STRATEGIES
 
@@ -42,7 +42,7 @@ def test_the_tp_peer_on_foreach_adamw(shared_run, tmp_path):
 
 def test_the_tp_peer_resumes_on_the_fused_path(shared_run, tmp_path):
     # test_reliability's run of 6 steps (its checkpoint at step 6), continued to step 15 as a CUDA user's would
-    cut, _ = shared_run("tp_train.py", 2, cut_args("pytorch"))
+    cut = cut_run_dir(shared_run, "tp_train.py", "pytorch")
     shutil.copytree(cut, tmp_path, dirs_exist_ok=True)
     result = launch_as_user("tp_train.py", 2, FLAGS + ["--implementation", "pytorch", "--max_iters", str(STEPS),
                                                        "--resume", "--out_dir", str(tmp_path)])

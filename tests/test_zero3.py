@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import (CUT, PARITY, PARITY_STEPS, TINY, DeviceMemory, cpu_copies_only, cut_args, launch, read_metrics,
+from conftest import (CUT, PARITY, PARITY_STEPS, TINY, DeviceMemory, cpu_copies_only, cut_run_dir, launch, read_metrics,
                       refusal, spawn, step_losses)
 from common.distributed import clip_grad_norm_
 from common.config import parse_args
@@ -681,7 +681,7 @@ def test_resume_across_stages_matches_one_process(shared_run, tmp_path):
     stage 1's peer DDP + ZeroRedundancyOptimizer (to 9: it loads its owned AdamW state, then consolidates it for
     the checkpoint), stage 1 (to 12) and stage 2 (to 15) equal the single-process reference (test_parity.py's run)
     within 1e-5."""
-    source, _ = shared_run("zero3_train.py", 2, cut_args("custom"))
+    source = cut_run_dir(shared_run, "zero3_train.py", "custom")
     shutil.copytree(source, tmp_path, dirs_exist_ok=True)
     flags = PARITY + ["--lr_decay_iters", str(PARITY_STEPS), "--out_dir", str(tmp_path)]  # one lr schedule
     legs = [(3, "custom", CUT), (1, "pytorch", 9), (1, "custom", 12), (2, "custom", PARITY_STEPS)]

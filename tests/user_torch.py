@@ -129,6 +129,7 @@ else:  # several runs, as tests/runs.py's (a run may start with another script's
         scripts.append(importlib.import_module(os.path.basename(script)[:-3]))
     for module, argv in zip(scripts, runs):
         before = record["adamw_multi_tensor_steps"]
+        sys.argv = [f"{module.__name__}.py", *argv]  # as in a run of its own (tests/runs.py)
         module.main(argv)
         record["per_run"].append(record["adamw_multi_tensor_steps"] - before)
     from common.distributed import teardown
