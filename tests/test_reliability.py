@@ -448,8 +448,7 @@ def test_bad_checkpoint_gives_one_clear_error_and_loses_nothing(shared_run, tmp_
             errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
             assert len(errors) == 1 and "--resume" in errors[0] and str(path) in errors[0], (damage, result.stderr[-2000:])
             assert path.read_bytes() == bad and metrics_path.read_bytes() == metrics  # nothing overwritten
-        result = subprocess.run([sys.executable, "sample.py", "--out_dir", str(tmp_path)], cwd=REPO,
-                                capture_output=True, text=True, timeout=60)
+        result = launch("sample.py", None, ["--out_dir", str(tmp_path)], timeout=60)  # `python sample.py`
         assert result.returncode != 0 and result.stderr.strip().startswith("error:") and str(path) in result.stderr
 
 
@@ -461,10 +460,9 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path):
 
 def test_sample_generates_text_from_a_checkpoint(shared_run, tmp_path):
     cut_run(shared_run, "zero3_train.py", "custom", tmp_path)  # zero3's checkpoint at step CUT
-    cmd = [sys.executable, "sample.py", "--out_dir", str(tmp_path), "--start", "ROMEO:", "--num_samples", "2",
-           "--max_new_tokens", "20", "--seed", "7"]
-    a = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-    b = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    args = ["--out_dir", str(tmp_path), "--start", "ROMEO:", "--num_samples", "2", "--max_new_tokens", "20",
+            "--seed", "7"]
+    a, b = (launch("sample.py", None, args, timeout=120) for _ in range(2))  # two `python sample.py`
     assert a.returncode == 0, a.stderr[-2000:]
     assert a.stdout.count("ROMEO:") == 2 and a.stdout == b.stdout
     assert len(a.stdout) > 2 * len("ROMEO:") + 20
