@@ -35,6 +35,9 @@ done
 # read the text and the tokenizer from the folder NANODIST_OFFLINE_DIR names (docs/offline.md); by
 # default ../shared beside the checkout, when it holds the text.
 "$PYTHON" -c "import torch, tiktoken, numpy, tensorboard" 2>/dev/null || "$PYTHON" -m pip install -q -r requirements.txt || exit 1
+if [ "$MODE" = bench ] && [ "$DRY" = 0 ]; then  # the bench also times preparing the corpora
+  "$PYTHON" -c "import pyarrow, huggingface_hub" 2>/dev/null || "$PYTHON" -m pip install -q -r requirements-data.txt || exit 1
+fi
 if [ -z "${NANODIST_OFFLINE_DIR:-}" ] && [ -f ../shared/data/tinyshakespeare/input.txt ]; then
   export NANODIST_OFFLINE_DIR=$(cd ../shared && pwd)
 fi
@@ -285,5 +288,7 @@ fi
 if [ "$MODE" = bench ]; then
   echo
   "$PYTHON" -m common.report extra runs/bench-extra || status=1
+  echo  # tokenising local parquet into shards against tiktoken's batch encoder on the same documents
+  "$PYTHON" -m common.prepare --bench || status=1
 fi
 exit $status

@@ -8,6 +8,10 @@ the batch depends only on (seed, split, step).
 Offline, NANODIST_OFFLINE_DIR names a folder holding the text and tiktoken's GPT-2 BPE files
 (docs/offline.md): the text is copied from it instead of downloaded, and tiktoken reads it.
 `python -m common.data` prepares Tiny Shakespeare once, before any run.
+The hub's corpora (openwebtext, fineweb, fineweb_edu) are prepared once by `python -m common.data
+<name>` (common/prepare.py, docs/data.md) into shards named by data/<name>/manifest.json; a split
+is then the concatenation of its shards, each memory-mapped, and get_batch draws from it as from
+one file.
 """
 import filecmp
 import hashlib
@@ -29,6 +33,8 @@ GPT2_VOCAB = 50257  # ids produced by tiktoken's gpt2 encoding are < 50257
 OFFLINE_DIR = "NANODIST_OFFLINE_DIR"  # the offline folder's variable, and what the folder holds:
 OFFLINE_TEXT = os.path.join("data", "tinyshakespeare", "input.txt")
 OFFLINE_BPE = "tiktoken_cache"  # the files tiktoken caches, named by the sha1 of their URL
+HUB_DATASETS = ("openwebtext", "fineweb", "fineweb_edu")  # common/prepare.py's SOURCES
+MANIFEST = "manifest.json"  # a sharded dataset's: its shards, written by common/prepare.py
 
 
 def data_dir(dataset):
@@ -61,8 +67,11 @@ def prepare(dataset="shakespeare", data_file=None):
     when missing.
 
     Several nodes may prepare one shared folder at once (each node's local rank 0), and one node's
-    ranks may already read (memmap) the files another node is about to publish: see publish()."""
+    ranks may already read (memmap) the files another node is about to publish: see publish().
+    A hub corpus, or any folder with a manifest.json, is only checked: sharded_verdict()."""
     out = data_dir(dataset)
+    if dataset in HUB_DATASETS or os.path.exists(os.path.join(out, MANIFEST)):
+        return sharded_verdict(dataset, data_file)
     meta_path = os.path.join(out, "meta.json")
     text_path = data_file or os.path.join(out, "input.txt")
     if data_file is not None and not os.path.isfile(data_file):
@@ -117,6 +126,30 @@ def prepare(dataset="shakespeare", data_file=None):
     return None
 
 
+def read_manifest(dataset):
+    with open(os.path.join(data_dir(dataset), MANIFEST)) as f:
+        return json.load(f)
+
+
+def sharded_verdict(dataset, data_file):
+    """None if data/<dataset>/ holds every shard its manifest names, complete; else the line
+    naming the command that prepares them. Training never downloads or tokenises these."""
+    if data_file is not None:
+        return (f"--data_file: --dataset {dataset} is prepared by python -m common.data "
+                f"{dataset}, not from a text file")
+    prepare_first = f"run python -m common.data {dataset} first (docs/data.md)"
+    if not os.path.exists(os.path.join(data_dir(dataset), MANIFEST)):
+        return f"--dataset {dataset}: not prepared: {prepare_first}"
+    manifest = read_manifest(dataset)
+    if not manifest["complete"]:
+        return f"--dataset {dataset}: only partly prepared: {prepare_first}"
+    for shard in manifest["shards"]:
+        path = os.path.join(data_dir(dataset), shard["file"])
+        if not os.path.exists(path) or os.path.getsize(path) != 2 * shard["tokens"]:
+            return f"--dataset {dataset}: {path} is missing or cut short: {prepare_first}"
+    return None
+
+
 def prepared(out, data_file):
     """Whether out/ holds complete .bin files of this text: meta.json (written last) names the
     text's sha256 (checked only for a --data_file: input.txt is the folder's own) and each split's
@@ -164,14 +197,42 @@ def publish(tmp, path):
         os.replace(tmp, path)
 
 
+class Shards:
+    """A split's shard files read as one array: len() and [start:stop] windows, which may cross a
+    shard boundary and are then read from both. Each shard is memory-mapped, never read whole."""
+
+    def __init__(self, paths):
+        self.parts = [np.memmap(path, dtype=np.uint16, mode="r") for path in paths]
+        self.starts = np.cumsum([0] + [len(part) for part in self.parts])  # each part's first index
+
+    def __len__(self):
+        return int(self.starts[-1])
+
+    def __getitem__(self, window):
+        start, stop = window.start, window.stop
+        pieces = []
+        while start < stop:
+            k = int(np.searchsorted(self.starts, start, side="right")) - 1  # the part holding start
+            end = min(stop, int(self.starts[k + 1]))
+            pieces.append(self.parts[k][start - self.starts[k]: end - self.starts[k]])
+            start = end
+        return np.concatenate(pieces)
+
+
 _tokens = {}
 
 
 def tokens(split, dataset="shakespeare"):
+    """The split's token ids: data/<dataset>/<split>.bin memory-mapped, or its shards (Shards)."""
     key = (dataset, split)
     if key not in _tokens:
-        path = os.path.join(data_dir(dataset), f"{split}.bin")
-        _tokens[key] = np.memmap(path, dtype=np.uint16, mode="r")
+        folder = data_dir(dataset)
+        if os.path.exists(os.path.join(folder, MANIFEST)):
+            shards = [s["file"] for s in read_manifest(dataset)["shards"] if s["split"] == split]
+            _tokens[key] = Shards([os.path.join(folder, name) for name in shards])
+        else:
+            path = os.path.join(folder, f"{split}.bin")
+            _tokens[key] = np.memmap(path, dtype=np.uint16, mode="r")
     return _tokens[key]
 
 
@@ -251,7 +312,21 @@ class Batches:
         return buffer.to(self.device, non_blocking=True)
 
 
-if __name__ == "__main__":  # python -m common.data: Tiny Shakespeare's data/shakespeare/*.bin
-    error = prepare()
-    if error is not None:
-        sys.exit(f"error: {error}")
+def main(argv):
+    """python -m common.data: Tiny Shakespeare's data/shakespeare/*.bin; python -m common.data
+    <openwebtext|fineweb|fineweb_edu> [flags]: that corpus's shards (common/prepare.py)."""
+    if not argv:
+        error = prepare()
+        if error is not None:
+            sys.exit(f"error: {error}")
+        return 0
+    try:  # here only: the libraries that prepare the corpora are never needed to train
+        from common import prepare as corpus
+    except ImportError as e:
+        sys.exit(f"error: python -m common.data {argv[0]} needs {e.name}: "
+                 f"pip install -r requirements-data.txt (pyarrow, huggingface_hub)")
+    return corpus.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,493 @@
+"""Pretraining corpora from the Hugging Face hub, tokenised into shards: OpenWebText, and FineWeb
+and FineWeb-Edu's 10B-token samples (docs/data.md).
+
+    python -m common.data fineweb_edu [--workers N] [--shard_tokens N]
+
+The parquet files download in the background (huggingface_hub, into its cache) while a pool of
+workers tokenises the files already there, one row group a task, with tiktoken's GPT-2 encoding
+and <|endoftext|> before each document. The main process appends the tokens, in corpus order, to
+the temporary file of the current shard; a full shard (--shard_tokens uint16 ids) is published
+(common.data.publish), then the manifest that names it, with where the shard starts: (document,
+offset), as documents span shards. A rerun skips the shards the manifest names, so a prepare
+killed at any point resumes, and the loader never sees a partial shard.
+Needs requirements-data.txt (pyarrow, huggingface_hub); training never imports this module.
+`python -m common.prepare --bench`: tokenising throughput and peak memory, on a synthetic corpus.
+"""
+import argparse
+import collections
+import concurrent.futures
+import fnmatch
+import functools
+import glob
+import json
+import math
+import multiprocessing
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import huggingface_hub
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import tiktoken
+
+from common import data
+
+
+@dataclass(frozen=True)
+class Source:
+    """A dataset on the hub: its repository, the revision read, the parquet files' patterns, and
+    how its validation split is drawn: "first_shard" (build-nanogpt: the first shard of the
+    corpus) or "nanogpt_split" (nanoGPT: datasets' train_test_split(test_size, seed))."""
+    repo: str
+    revision: str
+    patterns: tuple
+    val: str
+
+
+# Not checked online from here (the hub cannot be reached): the revisions are those public records
+# name (fineweb-edu: a commit whose sample/10BT holds 14 parquet files; fineweb: the release tag),
+# and OpenWebText, a loading-script dataset, is read from the hub's parquet conversion branch.
+SOURCES = {
+    "openwebtext": Source("Skylion007/openwebtext", "refs/convert/parquet",
+                          ("plain_text/train/*.parquet",), "nanogpt_split"),
+    "fineweb": Source("HuggingFaceFW/fineweb", "v1.4.0", ("sample/10BT/*.parquet",), "first_shard"),
+    "fineweb_edu": Source("HuggingFaceFW/fineweb-edu", "87f09149ef4734204d70ed1d046ddc9ca3f2b8f9",
+                          ("sample/10BT/*.parquet",), "first_shard"),
+}
+SHARD_TOKENS = 10**8  # build-nanogpt's shard: FineWeb's val split is the first one
+NANOGPT_TEST_SIZE = 0.0005  # nanoGPT's openwebtext/prepare.py: train_test_split(0.0005, seed=2357)
+NANOGPT_SEED = 2357
+DOWNLOADS = 4  # files downloading at once, ahead of the tokenising
+PROGRESS_S = 10.0  # seconds between progress lines
+
+
+def list_files(source):
+    """The repository's parquet files that the patterns match, in the corpus order (by name)."""
+    names = huggingface_hub.list_repo_files(source.repo, repo_type="dataset",
+                                            revision=source.revision)
+    matched = [n for n in names if any(fnmatch.fnmatch(n, p) for p in source.patterns)]
+    return sorted(matched)
+
+
+def download(source, name):
+    """The local path of one parquet file (huggingface_hub's cache: a rerun does not download it
+    again, and an interrupted download resumes)."""
+    return huggingface_hub.hf_hub_download(source.repo, name, repo_type="dataset",
+                                           revision=source.revision)
+
+
+def val_documents(count):
+    """nanoGPT's validation documents of a corpus of `count`, as a boolean mask: datasets'
+    train_test_split(test_size=0.0005, seed=2357) draws np.random.default_rng(seed).permutation
+    and takes its first ceil(test_size * count) entries as the test split."""
+    permutation = np.random.default_rng(NANOGPT_SEED).permutation(count)
+    mask = np.zeros(count, dtype=bool)
+    mask[permutation[:math.ceil(NANOGPT_TEST_SIZE * count)]] = True
+    return mask
+
+
+# ---- the workers: one row group of one parquet file each ------------------------------------
+
+_worker = {}  # this worker's encoding, and the parquet file it read last (open)
+
+
+def start_worker():
+    _worker["encoding"] = tiktoken.get_encoding("gpt2")
+    _worker["file"] = (None, None)
+
+
+def tokenise(task):
+    """(first document's index, tokens per document, token ids) of the task's documents: rows
+    first_row.. of one row group, each as <|endoftext|> and its text's ids. encode_ordinary reads
+    a literal "<|endoftext|>" in a text as text, never as the special token."""
+    path, row_group, first_doc, first_row = task
+    if _worker["file"][0] != path:
+        _worker["file"] = (path, pq.ParquetFile(path))
+    table = _worker["file"][1].read_row_group(row_group, columns=["text"], use_threads=False)
+    texts = table.column("text").to_pylist()[first_row:]
+    encoding = _worker["encoding"]
+    eot = encoding.eot_token
+    ids, lengths = [], []
+    for text in texts:
+        doc = encoding.encode_ordinary(text or "")  # a null text: an empty document
+        ids.append(eot)  # before the document, as build-nanogpt and llm.c (nanoGPT: after)
+        ids.extend(doc)
+        lengths.append(1 + len(doc))
+    return first_doc, np.array(lengths, dtype=np.int64), np.array(ids, dtype=np.uint16)
+
+
+# ---- the main process: tasks in corpus order, shards, manifest ------------------------------
+
+def row_groups(paths, first_doc):
+    """Tasks (path, row group, index of its first document taken, first row taken) from document
+    first_doc on; `paths` yields each file's local path in order, once it is downloaded."""
+    base = 0  # index of the file's first document
+    for path in paths:
+        meta = pq.ParquetFile(path).metadata
+        for row_group in range(meta.num_row_groups):
+            rows = meta.row_group(row_group).num_rows
+            if base + rows > first_doc:
+                first_row = max(0, first_doc - base)
+                yield path, row_group, base + first_row, first_row
+            base += rows
+
+
+def count_documents(files):
+    """The corpus's documents, from the footers of its files (futures of their local paths)."""
+    return sum(pq.ParquetFile(f.result()).metadata.num_rows for f in files)
+
+
+def in_order(pool, tasks, window):
+    """Each task's result, in the tasks' order, with at most `window` tasks queued or done and not
+    yet taken: the memory held is bounded by row groups, whatever the corpus size."""
+    pending = collections.deque()
+    for task in tasks:
+        pending.append(pool.apply_async(tokenise, (task,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+class Stream:
+    """One stream of documents cut into shards of shard_tokens ids: the corpus (FineWeb: its first
+    shard is the val split) or one split (OpenWebText). Each shard is written to its temporary
+    file as the tokens come, then published, then named in the manifest."""
+
+    def __init__(self, folder, stream, manifest, shard_tokens):
+        self.folder, self.stream, self.manifest = folder, stream, manifest
+        self.shard_tokens = shard_tokens
+        mine = [s for s in manifest["shards"] if s["stream"] == stream]
+        self.index = len(mine)  # of the next shard
+        # What the published shards hold: every token before (document, offset), in this stream.
+        self.done = mine[-1]["end"] if mine else [0, 0]
+        self.file, self.entry = None, None
+
+    def split(self):
+        if self.stream == "corpus":
+            return "val" if self.index == 0 else "train"
+        return self.stream
+
+    def add(self, ids, docs, lengths):
+        """Appends the tokens `ids` of whole documents `docs` (lengths[k] tokens each, in order),
+        less those the published shards hold already."""
+        done_doc, done_offset = self.done
+        skip = int(lengths[docs < done_doc].sum())
+        if done_doc in docs:
+            skip += done_offset
+        ends = np.cumsum(lengths)  # where each document ends in ids
+
+        def position(k):  # [document, offset] of ids[k]
+            j = int(np.searchsorted(ends, k, side="right"))
+            return [int(docs[j]), int(k - (ends[j] - lengths[j]))]
+        k = skip
+        while k < len(ids):
+            if self.file is None:
+                self.open(position(k))
+            n = min(len(ids) - k, self.shard_tokens - self.entry["tokens"])
+            ids[k:k + n].tofile(self.file)
+            self.entry["tokens"] += n
+            k += n
+            doc, offset = position(k - 1)
+            self.entry["end"] = [doc, offset + 1]  # the token after the last one written
+            if self.entry["tokens"] == self.shard_tokens:
+                self.publish()
+
+    def open(self, start):
+        name = f"{self.split()}_{self.index:06d}.bin"
+        self.entry = dict(file=name, split=self.split(), stream=self.stream, tokens=0,
+                          start=start, end=start)
+        self.file = open(data.temporary(os.path.join(self.folder, name)), "wb")
+
+    def publish(self):
+        """The shard, then the manifest naming it: a kill between the two leaves a published shard
+        that no manifest names, which the rerun writes again with the same bytes."""
+        self.file.close()
+        path = os.path.join(self.folder, self.entry["file"])
+        data.publish(data.temporary(path), path)
+        self.manifest["shards"].append(self.entry)
+        write_manifest(self.folder, self.manifest)
+        self.done = self.entry["end"]
+        self.index += 1
+        self.file, self.entry = None, None
+
+    def finish(self):  # the last shard, shorter than shard_tokens
+        if self.file is not None:
+            self.publish()
+
+
+def write_manifest(folder, manifest):
+    path = os.path.join(folder, data.MANIFEST)
+    with open(data.temporary(path), "w") as f:
+        json.dump(manifest, f, indent=1)
+    data.publish(data.temporary(path), path)
+
+
+def read_manifest(folder, fresh):
+    """The manifest to resume from: the one in folder, its shards cut at the first one whose file is
+    missing or of another size (the rest are written again), or `fresh` if there is none. None if
+    the folder holds another source's shards."""
+    path = os.path.join(folder, data.MANIFEST)
+    if not os.path.exists(path):
+        return fresh
+    with open(path) as f:
+        manifest = json.load(f)
+    same = ("dataset", "repo", "revision", "files", "shard_tokens")
+    if any(manifest.get(key) != fresh[key] for key in same):
+        return None
+    for k, shard in enumerate(manifest["shards"]):
+        shard_path = os.path.join(folder, shard["file"])
+        if not os.path.exists(shard_path) or os.path.getsize(shard_path) != 2 * shard["tokens"]:
+            manifest["shards"] = manifest["shards"][:k]
+            manifest["complete"] = False
+            break
+    return manifest
+
+
+def remove_stale_temporaries(folder):
+    """This host's temporary files of processes no longer running (a prepare killed mid-shard)."""
+    host = socket.gethostname()
+    for path in glob.glob(os.path.join(folder, f"*.tmp.{host}.*")):
+        pid = int(path.rsplit(".", 1)[1])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            os.remove(path)
+
+
+def summary(dataset, manifest):
+    counts = manifest["tokens"]
+    shards = collections.Counter(s["split"] for s in manifest["shards"])
+    return (f"{dataset}: {manifest['documents']:,} documents; train {counts['train']:,} tokens in "
+            f"{shards['train']} shards, val {counts['val']:,} tokens in {shards['val']} shards")
+
+
+def cpu_seconds(who):
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def peak_rss_mb():
+    """This process's peak resident memory: Linux's VmHWM, as ru_maxrss also counts the memory of
+    the process that started this one, from before its exec."""
+    if not os.path.exists("/proc/self/status"):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def prepare(dataset, folder, source, names, fetch, workers, shard_tokens):
+    """Tokenises the source's files `names` (`fetch(name)`: its local path) into folder/; returns
+    None, or one line saying what is wrong."""
+    fresh = dict(dataset=dataset, repo=source.repo, revision=source.revision, files=names,
+                 shard_tokens=shard_tokens, val=source.val, eot="before each document",
+                 shards=[], complete=False)
+    os.makedirs(folder, exist_ok=True)
+    manifest = read_manifest(folder, fresh)
+    if manifest is None:
+        return (f"{folder} holds shards of another source or --shard_tokens (its {data.MANIFEST}); "
+                f"delete the folder, or pass the flags it was prepared with")
+    if manifest["complete"]:
+        print(summary(dataset, manifest) + f" (already prepared in {folder})", flush=True)
+        return None
+    remove_stale_temporaries(folder)
+    if source.val == "nanogpt_split":
+        streams = [Stream(folder, split, manifest, shard_tokens) for split in ("val", "train")]
+    else:
+        streams = [Stream(folder, "corpus", manifest, shard_tokens)]
+    first_doc = min(s.done[0] for s in streams)
+    if manifest["shards"]:
+        print(f"{dataset}: resuming after {len(manifest['shards'])} published shards, at "
+              f"document {first_doc:,}", flush=True)
+    # fork: the workers start as copies of this process, before any thread of this one exists
+    # (the downloads') and before pyarrow reads anything; spawn would import torch in each.
+    children_cpu = cpu_seconds(resource.RUSAGE_CHILDREN)
+    main_cpu = cpu_seconds(resource.RUSAGE_SELF)
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=start_worker)
+    downloads = concurrent.futures.ThreadPoolExecutor(DOWNLOADS)
+    try:
+        files = [downloads.submit(fetch, name) for name in names]
+        paths = (f.result() for f in files)
+        val = None  # FineWeb: one stream, whose first shard is the val split
+        if source.val == "nanogpt_split":  # the split needs the count: every file downloaded
+            val = val_documents(count_documents(files))
+        start, last_print, documents, tokens = time.monotonic(), time.monotonic(), 0, 0
+        for first, lengths, ids in in_order(pool, row_groups(paths, first_doc), 2 * workers):
+            docs = first + np.arange(len(lengths))
+            if val is None:
+                streams[0].add(ids, docs, lengths)
+            else:
+                in_val = val[docs]
+                for stream, mine in zip(streams, (in_val, ~in_val)):  # ("val", "train")
+                    stream.add(ids[np.repeat(mine, lengths)], docs[mine], lengths[mine])
+            documents, tokens = documents + len(lengths), tokens + len(ids)
+            if time.monotonic() - last_print > PROGRESS_S:
+                last_print = time.monotonic()
+                rate = tokens / (last_print - start)
+                print(f"{dataset}: {documents:,} documents, {tokens:,} tokens, {rate:,.0f} "
+                      f"tokens/s, {len(manifest['shards'])} shards published", flush=True)
+        for stream in streams:
+            stream.finish()
+        elapsed = time.monotonic() - start
+        manifest["documents"] = count_documents(files)
+    finally:
+        pool.terminate()
+        pool.join()  # the workers are waited for: their CPU and memory join RUSAGE_CHILDREN's
+        downloads.shutdown(cancel_futures=True)
+    cpu = cpu_seconds(resource.RUSAGE_SELF) - main_cpu
+    cpu += cpu_seconds(resource.RUSAGE_CHILDREN) - children_cpu
+    manifest["tokens"] = {split: sum(s["tokens"] for s in manifest["shards"] if s["split"] == split)
+                          for split in ("train", "val")}
+    manifest["complete"] = True
+    write_manifest(folder, manifest)
+    main_mb = peak_rss_mb()
+    worker_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # Linux: in KiB
+    rate = tokens / elapsed
+    print(f"{dataset}: tokenised {tokens:,} tokens in {elapsed:.1f} s ({rate:,.0f} tokens/s, "
+          f"{workers} workers, {cpu:.1f} CPU-s); peak RSS {main_mb:,.0f} MB, a worker's "
+          f"{worker_mb:,.0f} MB", flush=True)
+    print(summary(dataset, manifest) + f" -> {folder}", flush=True)
+    return None
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m common.data",
+                                description="Download and tokenise a pretraining corpus into "
+                                            "data/<dataset>/ (docs/data.md).")
+    p.add_argument("dataset", choices=sorted(SOURCES))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    p.add_argument("--workers", type=int, default=cores, help="tokenising processes")
+    p.add_argument("--shard_tokens", type=int, default=SHARD_TOKENS, help="uint16 ids a shard")
+    p.add_argument("--revision", default=None, help="the hub revision (default: the pinned one)")
+    p.add_argument("--data_dir", default=None, help="where the shards go (default data/<dataset>, "
+                                                    "where training reads them)")
+    p.add_argument("--parquet_dir", default=None,
+                   help="read the parquet files from this folder (laid out as in the repository) "
+                        "instead of the hub")
+    return p.parse_args(argv)
+
+
+def main(argv):
+    """python -m common.data <dataset> [flags]: 0, or exits with one error line."""
+    args = parse(argv)
+    for flag in ("workers", "shard_tokens"):
+        if getattr(args, flag) < 1:
+            sys.exit(f"error: --{flag}: must be >= 1, got {getattr(args, flag)}")
+    source = SOURCES[args.dataset]
+    if args.revision is not None:
+        source = Source(source.repo, args.revision, source.patterns, source.val)
+    error = data.use_offline_dir()
+    if error is None:
+        try:
+            tiktoken.get_encoding("gpt2")  # tiktoken fetches the BPE files on first use
+        except Exception as e:
+            error = f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}: {e})"
+    if error is None:
+        try:
+            if args.parquet_dir is None:
+                names = list_files(source)
+                fetch = functools.partial(download, source)
+            else:
+                names = sorted(os.path.relpath(p, args.parquet_dir) for pattern in source.patterns
+                               for p in glob.glob(os.path.join(args.parquet_dir, pattern)))
+                fetch = functools.partial(os.path.join, args.parquet_dir)
+        except Exception as e:
+            error = f"cannot list {source.repo}@{source.revision}: {type(e).__name__}: {e}"
+    if error is None and not names:
+        error = f"no file of {source.repo}@{source.revision} matches {', '.join(source.patterns)}"
+    if error is None:
+        folder = args.data_dir or data.data_dir(args.dataset)
+        try:
+            error = prepare(args.dataset, folder, source, names, fetch, args.workers,
+                            args.shard_tokens)
+        except Exception as e:  # a download or a file that fails: one line; a rerun resumes
+            error = f"preparing failed ({type(e).__name__}: {e}); run the command again to resume"
+    if error is not None:
+        sys.exit(f"error: {args.dataset}: {error}")
+    return 0
+
+
+# ---- the bench: python -m common.prepare --bench -------------------------------------------
+
+def synthetic_corpus(folder, megabytes, docs_a_file=20000):
+    """About `megabytes` MB of text as parquet files laid out as FineWeb's sample/10BT (row groups
+    of 1,000 documents, as FineWeb's): documents of 200 to 8,000 characters cut from Tiny
+    Shakespeare at random places."""
+    error = data.prepare()
+    if error is not None:
+        sys.exit(f"error: {error}")
+    with open(os.path.join(data.data_dir("shakespeare"), "input.txt"), encoding="utf-8") as f:
+        text = f.read()
+    rng = np.random.default_rng(0)
+    texts, size, files = [], 0, 0
+    while size < megabytes * 2**20 or texts:
+        length = int(rng.integers(200, 8000))
+        start = int(rng.integers(0, len(text) - length))
+        texts.append(text[start:start + length])
+        size += length
+        if len(texts) == docs_a_file or size >= megabytes * 2**20:
+            path = os.path.join(folder, "sample", "10BT", f"{files:03d}_00000.parquet")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            pq.write_table(pa.table({"text": texts}), path, row_group_size=1000)
+            texts, files = [], files + 1
+            if size >= megabytes * 2**20:
+                break
+
+
+def bench(workers, sizes_mb, rounds):
+    """At each corpus size, `rounds` times each, alternating: tiktoken's
+    encode_ordinary_batch(docs, num_threads=workers) on the documents already in memory, and
+    `python -m common.data fineweb_edu --parquet_dir` on their files in a process of its own (its
+    tokenising loop's seconds, CPU seconds and peak RSS, as it prints them). The best wall time of
+    each is kept, as other work on the machine only slows a round down; CPU seconds, which it
+    hardly changes, give the cost of the pool, the parquet reading and the shards."""
+    encoding = tiktoken.get_encoding("gpt2")
+    for megabytes in sizes_mb:
+        with tempfile.TemporaryDirectory() as folder:
+            corpus = os.path.join(folder, "corpus")
+            synthetic_corpus(corpus, megabytes)
+            paths = sorted(glob.glob(os.path.join(corpus, "sample", "10BT", "*.parquet")))
+            docs = [t for p in paths for t in pq.read_table(p).column("text").to_pylist()]
+            in_memory, prepared, rss = [], [], []  # (wall s, CPU s) of each round
+            for r in range(rounds):
+                start, cpu = time.perf_counter(), time.process_time()
+                ids = encoding.encode_ordinary_batch(docs, num_threads=workers)
+                in_memory.append((time.perf_counter() - start, time.process_time() - cpu))
+                count = sum(len(doc) for doc in ids) + len(docs)  # with each <|endoftext|>
+                del ids
+                command = [sys.executable, "-m", "common.data", "fineweb_edu", "--parquet_dir",
+                           corpus, "--data_dir", os.path.join(folder, f"shards{r}"), "--workers",
+                           str(workers), "--shard_tokens", str(10**7)]
+                out = subprocess.run(command, cwd=data.REPO_ROOT, capture_output=True, text=True)
+                if out.returncode != 0:
+                    sys.exit(out.stderr)
+                line = next(ln for ln in out.stdout.splitlines() if "tokenised" in ln)
+                wall = float(line.split(" tokens in ")[1].split(" s ")[0])
+                prepared.append((wall, float(line.split(" workers, ")[1].split(" CPU-s")[0])))
+                rss.append(line.split("peak RSS ")[1])
+                shutil.rmtree(os.path.join(folder, f"shards{r}"))
+        wall_ratio = min(in_memory)[0] / min(prepared)[0]
+        cpu_ratio = min(c for _, c in in_memory) / min(c for _, c in prepared)
+        print(f"bench {megabytes} MB ({count:,} tokens), {workers} workers, best of {rounds}: "
+              f"prepare {count / min(prepared)[0]:,.0f} tokens/s (parquet -> published shards), "
+              f"encode_ordinary_batch {count / min(in_memory)[0]:,.0f} tokens/s (in memory): "
+              f"ratio {wall_ratio:.2f} (CPU seconds: {cpu_ratio:.2f}); peak RSS "
+              f"{' / '.join(rss)}", flush=True)
+
+
+if __name__ == "__main__":
+    bench_flags = argparse.ArgumentParser(prog="python -m common.prepare")
+    bench_flags.add_argument("--bench", action="store_true", required=True)
+    bench_flags.add_argument("--workers", type=int, default=parse(["fineweb"]).workers)
+    bench_flags.add_argument("--sizes_mb", default="200,400", help="corpus sizes, comma-separated")
+    bench_flags.add_argument("--rounds", type=int, default=2, help="runs of each, alternating")
+    flags = bench_flags.parse_args()
+    bench(flags.workers, [int(size) for size in flags.sizes_mb.split(",")], flags.rounds)
