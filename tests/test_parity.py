@@ -306,16 +306,27 @@ def test_reference_equals_plain_pytorch(references):
     assert min(plain["grad_norm"]) > 1.0, "every step clips (the test's premise)"
 
 
+def launch_group(nproc, as_user=False):
+    """Every run of this file at nproc ranks under one launcher (tests/user_torch.py or tests/runs.py) that this torch
+    runs, every script's, as (script, args): one launch. The parity rows; under runs.py also the activation-
+    checkpointing, zero-bubble and 4-rank hybrid runs (the 8-rank hybrid launch resumes a checkpoint it writes)."""
+    group = [(s, FLAGS + ["--implementation", i] + list(x)) for s, i, n, x in STRATEGIES
+             if n == nproc and ((s, i, n, tuple(x)) in AS_USERS_TORCH) == as_user and runs_here(s, i)]
+    if not as_user:
+        group += [(script, args) for script, n, variants in AC_ROWS if n == nproc
+                  for args in ac_runs(variants).values()]
+        group += [("pp_zb_train.py", args) for args in zero_bubble_runs(nproc)]
+        group += [("hybrid_train.py", args) for args in hybrid_runs(nproc)] if nproc == 4 else []
+    return group
+
+
 @pytest.mark.parametrize("script,implementation,nproc,extra",
                          [pytest.param(*row, marks=peer_needs(*row[:2])) for row in STRATEGIES],
                          ids=[row_id(*row) for row in STRATEGIES])
 def test_parity(script, implementation, nproc, extra, references, shared_run):
     reference, plain = references(extra)
     as_user = (script, implementation, nproc, tuple(extra)) in AS_USERS_TORCH
-    # every row of this rank count and launcher (as_user or not) that this torch runs, every script's: one launch
-    group = [(s, FLAGS + ["--implementation", i] + list(x)) for s, i, n, x in STRATEGIES
-             if n == nproc and ((s, i, n, tuple(x)) in AS_USERS_TORCH) == as_user and runs_here(s, i)]
-    shared_run.batch(nproc, group, as_user)
+    shared_run.batch(nproc, launch_group(nproc, as_user), as_user)
     out_dir, result = shared_run(script, nproc, FLAGS + ["--implementation", implementation] + extra, as_user)
     if as_user:  # every rank took AdamW's multi-tensor path at every step
         assert min(result.adamw_multi_tensor_steps) >= STEPS, result.adamw_multi_tensor_steps
@@ -344,8 +355,8 @@ def test_tp_overlap_equals_plain_tp(nproc, extra, shared_run):
     assert delta <= OVERLAP_TOL and dnorm <= NORM_TOL, (overlapped, reference)
 
 
-# --activation_checkpointing: each row is one launch of tests/runs.py, which runs the script's main() once per
-# (implementation, dropout, extra flags) variant and mode. full and selective recompute what none keeps, with
+# --activation_checkpointing: each row runs the script's main() once per (implementation, dropout, extra flags)
+# variant and mode, in the launch of its rank count (launch_group). full and selective recompute what none keeps, with
 # the same random numbers: their losses and grad norms must be none's, bit for bit, and the saved-activation
 # meter must show that they kept less (the proof that the mode ran): full always; selective with dropout, where
 # SDPA's math path keeps the T x T probabilities and mask (without, the fused kernel keeps only its B*nh*T
@@ -383,26 +394,28 @@ def kept_bytes(summary):
     return values and sum(values)
 
 
+def ac_runs(variants):
+    """{(implementation, dropout, extra, mode): the run's args} of an AC_ROWS row: every mode of each variant (a
+    compiled variant: none only)."""
+    flags = FLAGS[:FLAGS.index("--max_iters")] + ["--max_iters", str(AC_STEPS), "--lr_decay_iters", str(STEPS)]
+    return {(implementation, dropout, tuple(extra), mode):
+            flags + extra + ["--implementation", implementation, "--dropout", str(dropout),
+                             "--activation_checkpointing", mode]
+            for implementation, dropout, extra in variants
+            for mode in (("none",) if "--compile" in extra else AC_MODES)}
+
+
 @pytest.mark.parametrize("script,nproc,variants", AC_ROWS,
                          ids=[f"{script[:-9]}-{nproc}r" for script, nproc, _ in AC_ROWS])
-def test_activation_checkpointing_is_bit_identical(script, nproc, variants, references, tmp_path):
-    from conftest import launch
-    flags = FLAGS[:FLAGS.index("--max_iters")] + ["--max_iters", str(AC_STEPS), "--lr_decay_iters", str(STEPS)]
-    runs, names = [], []
-    for implementation, dropout, extra in variants:
-        for mode in ("none",) if "--compile" in extra else AC_MODES:
-            names.append((implementation, dropout, tuple(extra), mode))
-            out_dir = tmp_path / f"run{len(runs)}"
-            runs.append(flags + extra + ["--implementation", implementation, "--dropout", str(dropout),
-                                         "--activation_checkpointing", mode, "--out_dir", str(out_dir)])
-    argv = [script] + [arg for run in runs for arg in run + ["---"]][:-1]
-    result = launch("tests/runs.py", nproc, argv, torchrun=False)
-    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+def test_activation_checkpointing_is_bit_identical(script, nproc, variants, references, shared_run):
+    runs = ac_runs(variants)
+    shared_run.batch(nproc, launch_group(nproc))
+    out_dirs = {name: shared_run(script, nproc, args)[0] for name, args in runs.items()}
     records = {}
-    for name, run in zip(names, runs):
+    for name, out_dir in out_dirs.items():
         if "--compile" in name[2]:
-            check_compiled(script, nproc, run[-1], dropout=name[1] > 0)
-        rows = [json.loads(line) for line in open(os.path.join(run[-1], "metrics.jsonl"))]
+            check_compiled(script, nproc, out_dir, dropout=name[1] > 0)
+        rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
         steps = [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
         assert len(steps) == AC_STEPS, name
         records[name] = steps, kept_bytes(next(r for r in rows if r.get("summary")))
@@ -428,8 +441,8 @@ def test_activation_checkpointing_is_bit_identical(script, nproc, variants, refe
 
 
 # pp_zb_train.py's zero-bubble schedules, ZB-H1 (zb1p) and ZB-V (zbv), custom and torch's
-# (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble), at 2 and 4 ranks: every run of a rank count in one launch of
-# tests/runs.py, each compared with the single-process reference as a row above is.
+# (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble), at 2 and 4 ranks, in the launch of their rank count
+# (launch_group), each compared with the single-process reference as a row above is.
 ZERO_BUBBLE_ROWS = {
     2: [("custom", ["--schedule", "zb1p", "--grad_accum_steps", "2"]), ("pytorch", ["--schedule", "zb1p"]),
         ("custom", ["--schedule", "zbv", "--n_layer", "4", "--grad_accum_steps", "2"]),
@@ -439,24 +452,28 @@ ZERO_BUBBLE_ROWS = {
 }
 
 
+def zero_bubble_runs(nproc):
+    """The args of each ZERO_BUBBLE_ROWS run at nproc ranks that this torch runs."""
+    rows = ZERO_BUBBLE_ROWS.get(nproc, [])
+    return [FLAGS + ["--implementation", implementation] + extra for implementation, extra in rows
+            if runs_here("pp_zb_train.py", implementation)]
+
+
 @pytest.mark.parametrize("nproc", sorted(ZERO_BUBBLE_ROWS))
-def test_zero_bubble_parity(nproc, references, tmp_path):
-    from conftest import launch
-    rows = ZERO_BUBBLE_ROWS[nproc]
-    argv = ["pp_zb_train.py"]
-    for k, (implementation, extra) in enumerate(rows):
-        argv += FLAGS + ["--implementation", implementation] + extra + ["--out_dir", str(tmp_path / str(k)), "---"]
-    result = launch("tests/runs.py", nproc, argv[:-1], torchrun=False)
-    assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    for k, (implementation, extra) in enumerate(rows):
+def test_zero_bubble_parity(nproc, references, shared_run):
+    shared_run.batch(nproc, launch_group(nproc))
+    for args in zero_bubble_runs(nproc):
+        implementation, extra = args[len(FLAGS) + 1], args[len(FLAGS) + 2:]
         reference, plain = references(extra)
-        check(row_id("pp_zb_train.py", implementation, nproc, extra), run_record(tmp_path / str(k)), reference, plain)
+        out_dir, _ = shared_run("pp_zb_train.py", nproc, args)
+        check(row_id("pp_zb_train.py", implementation, nproc, extra), run_record(out_dir), reference, plain)
 
 
 # hybrid_train.py: every pair of axes at 4 ranks, and two grids of three at 8, each with gradient accumulation and
-# clipping (the parity config clips: its norms are above 1), as one launch of tests/runs.py per rank count. The 8-rank
-# launch also writes a checkpoint at dp2 x tp2 x pp2 after CUT steps and resumes it at tp2 x pp2 x cp2 to STEPS; a
-# single process then resumes the same checkpoint in ddp_train.py. (dp2 x tp2 x pp2 x cp2 on 16 ranks: run_all.sh.)
+# clipping (the parity config clips: its norms are above 1), the 4-rank runs in the launch of their rank count
+# (launch_group), the 8-rank ones in a launch of their own that also writes a checkpoint at dp2 x tp2 x pp2 after
+# CUT steps and resumes it at tp2 x pp2 x cp2 to STEPS; a single process then resumes the same checkpoint in
+# ddp_train.py. (dp2 x tp2 x pp2 x cp2 on 16 ranks: run_all.sh.)
 # PyTorch's peer (a DeviceMesh, parallelize_module, pipelining; no CP on CPU) at the grids without CP, in the same
 # launches; the 8-rank one's checkpoint resumes in the custom tp2 x pp2 x cp2 run.
 HYBRID_ROWS = {
@@ -477,6 +494,7 @@ HYBRID_ROWS = {
                     "--n_microbatches", "2"])],
 }
 HYBRID_CUT = 6
+HYBRID_FLAGS = FLAGS + ["--grad_accum_steps", "2", "--lr_decay_iters", str(STEPS)]
 
 
 def grid_lines(stdout):
@@ -484,27 +502,34 @@ def grid_lines(stdout):
     return {int(line.split(":")[0][5:]): line for line in stdout.splitlines() if line.startswith("rank ")}
 
 
-@pytest.mark.parametrize("nproc", sorted(HYBRID_ROWS))
-def test_hybrid_parity(nproc, references, tmp_path):
-    from conftest import launch
-    rows = [(implementation, extra) for implementation, extra in HYBRID_ROWS[nproc]
+def hybrid_runs(nproc):
+    """The args of each HYBRID_ROWS run at nproc ranks that this torch runs."""
+    return [HYBRID_FLAGS + ["--implementation", implementation] + extra for implementation, extra in HYBRID_ROWS[nproc]
             if runs_here("hybrid_train.py", implementation)]
-    flags = FLAGS + ["--grad_accum_steps", "2", "--lr_decay_iters", str(STEPS)]
-    runs = [flags + ["--implementation", implementation] + extra + ["--out_dir", str(tmp_path / str(k))]
-            for k, (implementation, extra) in enumerate(rows)]
+
+
+@pytest.mark.parametrize("nproc", sorted(HYBRID_ROWS))
+def test_hybrid_parity(nproc, references, shared_run, tmp_path):
+    from conftest import launch
+    runs = hybrid_runs(nproc)
     ckpt = tmp_path / "cut" / "ckpt.pt"
-    if nproc == 8:  # cut at one grid (the peer's, where this torch runs it), resumed at another
-        cut = ["--implementation", rows[0][0]] + rows[0][1]
-        runs.append(flags + cut + ["--max_iters", str(HYBRID_CUT), "--out_dir", str(ckpt.parent)])
-        resumed = HYBRID_ROWS[8][1][1]  # custom tp2 x pp2 x cp2
-        runs.append(flags + resumed + ["--resume_from", str(ckpt), "--out_dir", str(tmp_path / "resumed")])
-    argv = ["hybrid_train.py"] + [arg for run in runs for arg in run + ["---"]][:-1]
-    result = launch("tests/runs.py", nproc, argv, torchrun=False)
-    assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    if nproc == 4:  # in the launch of every 4-rank run of this file
+        shared_run.batch(nproc, launch_group(nproc))
+        out_dirs = [shared_run("hybrid_train.py", nproc, args)[0] for args in runs]
+        result = shared_run("hybrid_train.py", nproc, runs[0])[1]
+    else:  # one launch that also cuts at one grid (the peer's, where this torch runs it) and resumes at another
+        out_dirs = [tmp_path / str(k) for k in range(len(runs))]
+        cut = runs[0] + ["--max_iters", str(HYBRID_CUT), "--out_dir", str(ckpt.parent)]
+        resumed = HYBRID_FLAGS + HYBRID_ROWS[8][1][1] + ["--resume_from", str(ckpt)]  # custom tp2 x pp2 x cp2
+        argv = [args + ["--out_dir", str(out)] for args, out in zip(runs, out_dirs)]
+        argv += [cut, resumed + ["--out_dir", str(tmp_path / "resumed")]]
+        result = launch("tests/runs.py", nproc, ["hybrid_train.py"] + [a for run in argv for a in run + ["---"]][:-1],
+                        torchrun=False)
+        assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     reference, plain = references()
-    for k, (implementation, extra) in enumerate(rows):
-        check(row_id("hybrid_train.py", implementation, nproc, extra), run_record(tmp_path / str(k)), reference,
-              plain)
+    for args, out_dir in zip(runs, out_dirs):
+        implementation, extra = args[len(HYBRID_FLAGS) + 1], args[len(HYBRID_FLAGS) + 2:]
+        check(row_id("hybrid_train.py", implementation, nproc, extra), run_record(out_dir), reference, plain)
     if nproc == 4:  # dp 2 x tp 2: rank = d * 2 + t
         lines = grid_lines(result.stdout)
         assert sorted(lines) == [0, 1, 2, 3]
@@ -517,6 +542,7 @@ def test_hybrid_parity(nproc, references, tmp_path):
         # a new out_dir: steps CUT.. and the evaluation at the end
         check("hybrid-8r-resumed-at-tp2-pp2-cp2", run_record(tmp_path / "resumed"), reference, plain,
               first=HYBRID_CUT)
-        single = launch("ddp_train.py", None, flags + ["--resume_from", str(ckpt), "--out_dir", str(tmp_path / "ddp")])
+        single = launch("ddp_train.py", None, HYBRID_FLAGS + ["--resume_from", str(ckpt), "--out_dir",
+                                                              str(tmp_path / "ddp")])
         assert single.returncode == 0, single.stderr[-3000:]
         check("hybrid-8r-resumed-in-ddp-train", run_record(tmp_path / "ddp"), reference, plain, first=HYBRID_CUT)
