@@ -42,7 +42,7 @@ if [ -z "${NANODIST_OFFLINE_DIR:-}" ] && [ -f ../shared/data/tinyshakespeare/inp
   export NANODIST_OFFLINE_DIR=$(cd ../shared && pwd)
 fi
 
-SCRIPTS=$(for s in ${ONLY:-ddp fsdp zero3 zero3_tuning tp tp_overlap pp pp_zb pp_vocab cp hybrid}; do [ -f "${s}_train.py" ] && echo "$s"; done)
+SCRIPTS=$(for s in ${ONLY:-ddp fsdp zero3 zero3_tuning tp tp_overlap pp pp_zb pp_vocab cp hybrid ep}; do [ -f "${s}_train.py" ] && echo "$s"; done)
 has() { [[ " $(echo $SCRIPTS) " == *" $1 "* ]]; }
 GPUS=${GPUS:-$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")}
 DEVICE=cpu   # where the NPROC-rank runs go
@@ -104,6 +104,7 @@ variant() {  # variant SCRIPT [NPROC]: the flags that run a tier-2 script's own 
 
 run_strategies() {  # run_strategies SUFFIX NPROC: every script, custom then pytorch, on $DEVICE
   for s in $SCRIPTS; do
+    [ "$s" = ep ] && continue  # a mixture of experts: against its own one-process reference (below)
     for impl in custom pytorch; do
       # torch's context_parallel: CUDA SDPA kernels only
       [ "$s-$impl" = cp-pytorch ] && [ "$DEVICE" = cpu ] && continue
@@ -126,6 +127,15 @@ if [ "$MODE" = smoke ]; then
       --tensor_parallel_size 2 --pipeline_parallel_size 2 --context_parallel_size 2 --sequence_parallel
     DEVICE=$DEVICE_WAS
   fi
+  if has ep; then  # the mixture of experts (E = 8, k = 2) against its own one-process reference
+    RUNS=runs/smoke-moe
+    [ "$DRY" = 1 ] || { rm -rf "$RUNS" && mkdir -p "$RUNS"; }
+    record_setup
+    run reference 1 ddp_train.py $FLAGS --n_experts 8
+    run ddp-custom "$NPROC" ddp_train.py $FLAGS --n_experts 8
+    for impl in custom pytorch; do run "ep-$impl" "$NPROC" ep_train.py $FLAGS --implementation $impl; done
+    RUNS=runs/smoke
+  fi
   if [ "$GPU_ROWS" = 1 ]; then  # world size 1 on the GPU, in bf16 as GPU users train it
     RUNS=runs/smoke-gpu DEVICE=cuda
     [ "$DRY" = 1 ] || mkdir -p "$RUNS"
@@ -139,6 +149,12 @@ else
   for r in $(seq 1 "$ROUNDS"); do
     run "limit-1proc-r$r" 1 ddp_train.py $FLAGS  # one process, all cores, same global batch
     run_strategies "-r$r" "$NPROC"
+    if has ep; then  # EP against torch DDP (every expert on every rank) and one process, E = 8, k = 2
+      run "limit@e8-1proc-r$r" 1 ddp_train.py $FLAGS --n_experts 8
+      for impl in custom pytorch; do
+        run "ep@e8-$impl-r$r" "$NPROC" ep_train.py $FLAGS --n_experts 8 --implementation $impl
+      done
+    fi
     # Variants compared with each other in the same rounds (common.report prints their ratios): ZeRO's
     # stages 1 and 2 (stage 3 is zero3 above) and stage 1's peer, DDP + ZeroRedundancyOptimizer; the
     # pipeline at 1F1B with 8 micro-batches, with and without the head split over the stages.
@@ -281,6 +297,10 @@ fi
 echo
 "$PYTHON" -m common.report "$MODE" runs/$MODE
 status=$?
+if [ "$MODE" = smoke ] && has ep; then
+  echo
+  "$PYTHON" -m common.report smoke runs/smoke-moe || status=1
+fi
 if [ "$GPU_ROWS" = 1 ]; then
   echo
   "$PYTHON" -m common.report smoke-gpu runs/smoke-gpu || status=1

@@ -6,7 +6,7 @@ The full format, `<out_dir>/ckpt.pt` (like nanoGPT's), is one dict gathered on r
   step:       optimizer steps taken = the next step to run; the lr schedule position is get_lr(step)
   rng:        [{"cpu", "cuda"} RNG states of rank r, for r in range(world_size)] (dropout; the data
               is a function of the step)
-  config:     GPTConfig fields
+  config:     GPTConfig fields (a mixture of experts: n_experts, top_k, expert_hidden too)
   args:       the run's flags
   save:       this save's id (time.time_ns()): on resume, each rank checks it read rank 0's file
   format:     "nanodist-full-v1"
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from common.config import die, gpt_config
 from common.distributed import die_on_any
-from common.model import GPT
+from common.model import GPT, GPTConfig
 
 FORMAT = "nanodist-full-v1"
 
@@ -84,10 +84,12 @@ def load(path):
 def config_mismatch(saved, args):
     """(field, saved value, this run's value) of the first GPTConfig field that a checkpoint's
     `saved` dict holds differently from this run's flags, or None. dropout may change on resume,
-    as in nanoGPT."""
+    as in nanoGPT. A field the checkpoint lacks (written before the field existed: the MoE ones)
+    has its default, the dense GPT's."""
     for key, value in gpt_config(args).__dict__.items():
-        if key != "dropout" and saved.get(key) != value:
-            return key, saved.get(key), value
+        held = saved.get(key, getattr(GPTConfig, key))
+        if key != "dropout" and held != value:
+            return key, held, value
     return None
 
 

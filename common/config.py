@@ -79,6 +79,7 @@ def parse_args(strategy, add_flags=None, argv=None):
                       ("vocab_size", int), ("dropout", float)):
         m.add_argument(f"--{name}", type=typ, default=None)
     add_bool(m, "--bias", None, "biases in Linear and LayerNorm")
+    add_moe_flags(p.add_argument_group("mixture of experts"), strategy in MOE_STRATEGIES)
     b = p.add_argument_group("batch")
     b.add_argument("--batch_size", type=int, default=16, help="global sequences per optimizer step")
     b.add_argument("--grad_accum_steps", type=int, default=1, help="micro-steps per optimizer step")
@@ -149,7 +150,63 @@ def parse_args(strategy, add_flags=None, argv=None):
     if args.dtype is None:  # resolved here, before any script's checks read it (pp's torch gate)
         args.dtype = default_dtype(args)
     check_core_args(args)
+    check_moe_args(args, strategy)
     return args
+
+
+# The strategies that train a mixture of experts (--n_experts > 0), with their default E
+MOE_STRATEGIES = {"ddp": 0, "ep": 8}
+
+
+def add_moe_flags(group, supported):
+    """Every script has the flags; the ones that do not train a mixture of experts refuse them
+    (check_moe_args), and their help says where the flags are."""
+    where = "" if supported else "moved: ddp_train.py and ep_train.py; "
+    group.add_argument("--n_experts", type=int, default=None,
+                       help=where + "E > 0: each block's MLP is E experts; 0: the dense GPT; "
+                            "None: 8 in ep_train.py, else 0")
+    group.add_argument("--top_k", type=int, default=None, help=where + "experts a token; None: 2")
+    group.add_argument("--expert_hidden", type=int, default=None, help=where + "each expert's "
+                       "hidden width; None: 4 * n_embd // top_k (the dense MLP's FLOPs a token)")
+    group.add_argument("--aux_loss_coef", type=float, default=None, help=where + "weight of the "
+                       "load-balancing loss in what backward runs on; None: 0.01")
+
+
+def check_moe_args(args, strategy):
+    """Fills in the MoE flags' defaults, or ends the run with one line: a strategy without MoE
+    refuses them, and a dense run (--n_experts 0) refuses the others."""
+    moe_flags = ("n_experts", "top_k", "expert_hidden", "aux_loss_coef")
+    if strategy not in MOE_STRATEGIES:
+        for name in moe_flags:
+            if getattr(args, name) is not None:
+                die(f"--{name}: {strategy} trains the dense GPT; a mixture of experts "
+                    "trains in ddp_train.py or ep_train.py")
+    if args.n_experts is None:
+        args.n_experts = MOE_STRATEGIES.get(strategy, 0)
+    if args.n_experts < 0:
+        die(f"--n_experts: must be >= 0, got {args.n_experts}")
+    if args.n_experts == 0:
+        for name in moe_flags[1:]:
+            if getattr(args, name) is not None:
+                die(f"--{name}: only for a mixture of experts (--n_experts > 0)")
+        return
+    if args.top_k is None:
+        args.top_k = 2
+    if args.top_k < 1:
+        die(f"--top_k: must be >= 1, got {args.top_k}")
+    if args.top_k > args.n_experts:
+        die(f"--top_k: must be <= --n_experts ({args.n_experts}), got {args.top_k}")
+    if args.expert_hidden is None:
+        args.expert_hidden = max(1, 4 * args.n_embd // args.top_k)
+    if args.expert_hidden <= 0:
+        die(f"--expert_hidden: must be > 0, got {args.expert_hidden}")
+    if args.aux_loss_coef is None:
+        args.aux_loss_coef = 0.01
+    if args.aux_loss_coef < 0:
+        die(f"--aux_loss_coef: must be >= 0, got {args.aux_loss_coef}")
+    if args.compile:  # the experts' row counts change every step: a recompile each time
+        die("--compile: not with --n_experts (each expert's row count changes every step)")
+    args.compile = False  # the default (on with CUDA): off
 
 
 def uses_cuda(args):
@@ -215,8 +272,13 @@ def check_batch_split(args, dp_size):
 
 
 def gpt_config(args):
-    return GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size, n_layer=args.n_layer,
-                     n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, bias=args.bias)
+    config = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size,
+                       n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                       dropout=args.dropout, bias=args.bias)
+    if args.n_experts:  # a mixture of experts; dense: the fields' zeros
+        config.n_experts, config.top_k = args.n_experts, args.top_k
+        config.expert_hidden = args.expert_hidden
+    return config
 
 
 def get_lr(step, args):

@@ -2,7 +2,8 @@
 lines (rank 0), named wait timers, the saved-activation meter, model-state bytes and --profile.
 
 Lines of <out_dir>/metrics.jsonl (a fresh run truncates it, a resumed run appends):
-  step:  {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_ms", "peak_mem_bytes"}
+  step:  {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_ms", "peak_mem_bytes"}; a
+         mixture of experts also "aux_loss" (its load-balancing loss, before its coefficient)
   eval:  {"step", "val_loss", "train_loss"}                      (no "loss" key)
   final: {"summary": true, "model_state_bytes", "peak_mem_bytes", "tokens_per_sec" (median),
           "model_state_bytes_per_rank", "peak_mem_bytes_per_rank" (at the last step, before the
@@ -231,9 +232,14 @@ def peak_flops(device, args):
 def flops_per_token(config):
     """nanoGPT's (PaLM's appendix B): 6 FLOPs a parameter (wpe left out) for forward and
     backward, plus attention's 12 * n_layer * n_embd * block_size (its masked causal half
-    included)."""
+    included). A mixture of experts counts the parameters a token uses: k of the E experts."""
     from common.model import GPT  # on the meta device: no memory
-    n_params = sum(p.numel() for p in GPT(config, device="meta").parameters())
+    n_params = 0
+    for name, p in GPT(config, device="meta").named_parameters():
+        if ".experts." in name:
+            n_params += p.numel() * config.top_k / config.n_experts
+        else:
+            n_params += p.numel()
     n_params -= config.block_size * config.n_embd  # wpe
     return 6 * n_params + 12 * config.n_layer * config.n_embd * config.block_size
 
@@ -303,17 +309,23 @@ class Metrics:
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, record["step"])
 
-    def step(self, step, loss, lr, grad_norm, tokens, seconds, device, log_interval):
+    def step(self, step, loss, lr, grad_norm, tokens, seconds, device, log_interval,
+             aux_loss=None):
+        """aux_loss: a mixture of experts' load-balancing loss, logged beside the loss; None (a
+        dense GPT): no such key."""
         timers.end_step()
         self.peak_mem_bytes = peak_mem_bytes(device)
         mfu = self.mfu(tokens / seconds) if self.mfu is not None else None
-        record = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
-                      tokens_per_sec=tokens / seconds, step_ms=1000 * seconds,
-                      peak_mem_bytes=self.peak_mem_bytes, mfu=mfu)
+        record = dict(step=step, loss=loss)
+        if aux_loss is not None:
+            record["aux_loss"] = aux_loss
+        record.update(lr=lr, grad_norm=grad_norm, tokens_per_sec=tokens / seconds,
+                      step_ms=1000 * seconds, peak_mem_bytes=self.peak_mem_bytes, mfu=mfu)
         self.log(record)
         if self.enabled and (step % log_interval == 0):
             shown = "-" if mfu is None else f"{100 * mfu:.1f}%"  # "-": no known peak (a CPU)
-            print(f"iter {step}: loss {loss:.4f}, lr {lr:.2e}, norm {grad_norm:.3f}, "
+            aux = "" if aux_loss is None else f", aux {aux_loss:.4f}"
+            print(f"iter {step}: loss {loss:.4f}{aux}, lr {lr:.2e}, norm {grad_norm:.3f}, "
                   f"time {1000 * seconds:.1f}ms, {tokens / seconds:,.0f} tok/s, mfu {shown}",
                   flush=True)
 

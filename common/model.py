@@ -1,7 +1,8 @@
 """The nanoGPT GPT-2 model, shared by every strategy script.
 
 Pre-LayerNorm blocks, causal scaled_dot_product_attention, GELU MLP, learned position
-embeddings, `wte` tied to `lm_head`, nanoGPT's initialisation.
+embeddings, `wte` tied to `lm_head`, nanoGPT's initialisation. With `n_experts` > 0 each block's
+MLP is a mixture of experts (MoE below); 0 is the dense GPT.
 
 Initialisation depends only on (seed, parameter name): `init_tensor(name, shape, config, seed)`
 draws each tensor from its own CPU generator, so the weights are bit-identical whether the
@@ -26,6 +27,9 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
+    n_experts: int = 0  # > 0: each block's MLP is a mixture of this many experts; 0: dense
+    top_k: int = 0  # experts per token (MoE only)
+    expert_hidden: int = 0  # each expert's hidden width (MoE only; the flags' default: 4C / top_k)
 
 
 PRESETS = {
@@ -86,13 +90,124 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
+# ---- the mixture of experts: a router, E expert MLPs, k of them per token -------------------
+
+class Expert(nn.Module):
+    """One expert: the dense MLP's two linears, at hidden width config.expert_hidden (by default
+    4C/k, so that k of them cost the FLOPs of the dense MLP)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, config.expert_hidden, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(config.expert_hidden, config.n_embd, bias=config.bias)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+def route(probs, k):
+    """Each token's k likeliest experts and their gates, renormalised to sum to 1. Ties go to the
+    lower expert index: a stable sort keeps equal probabilities in index order (topk's tie order
+    is unspecified). probs (..., E) fp32 -> gates (..., k) fp32, experts (..., k) int64."""
+    top, experts = probs.sort(dim=-1, descending=True, stable=True)
+    gates = top[..., :k]
+    return gates / gates.sum(dim=-1, keepdim=True), experts[..., :k].contiguous()
+
+
+def load_balance_loss(probs, experts):
+    """The auxiliary load-balancing loss, per sequence and then its mean over the sequences (so a
+    micro-batch, a rank and one process compute the same value): E * sum_i f_i * P_i, with f_i the
+    share of the sequence's k*T expert slots that went to expert i and P_i the mean router
+    probability of expert i over its T tokens. 1 when balanced; E/k at worst. The gradient flows
+    through P (f counts choices). probs (B, T, E), experts (B, T, k) -> a 0-dim fp32 tensor."""
+    B, T, E = probs.shape
+    slots = experts.view(B, -1)  # (B, T*k): each sequence's expert slots
+    bins = slots + E * torch.arange(B, device=slots.device).unsqueeze(1)  # (sequence, expert)
+    # bincount, not a 2-D scatter_add_, which has no deterministic CUDA kernel (--deterministic)
+    counts = torch.bincount(bins.flatten(), minlength=B * E).view(B, E)  # (B*E,) -> (B, E)
+    f = counts.to(probs.dtype) / slots.size(1)  # the share of slots per expert
+    P = probs.mean(dim=1)  # (B, E)
+    return (E * (f * P).sum(dim=-1)).mean()
+
+
+def sort_by_expert(experts, n_experts):
+    """The N*k expert slots (slot n*k + j: token n's j-th expert) in expert order, each expert's in
+    token order (a stable sort), and the slots per expert. experts (N, k) -> order (N*k,),
+    counts (n_experts,)."""
+    flat = experts.flatten()  # (N*k,)
+    return flat.argsort(stable=True), torch.bincount(flat, minlength=n_experts)
+
+
+def invert(permutation):
+    """The permutation that undoes `permutation` (1-D): out[invert(p)] puts out[p]'s rows back."""
+    inverse = torch.empty_like(permutation)
+    inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
+    return inverse
+
+
+def run_experts(experts, rows, counts):
+    """Each expert on its consecutive block of `rows` (counts: a list of ints, one per expert). An
+    expert with no rows still runs, on an empty block: its gradient is then zeros, never None, so
+    DDP's hooks, AdamW and the gradient sums see every parameter at every step."""
+    return torch.cat([expert(part) for expert, part in zip(experts, rows.split(counts))])
+
+
+def combine(out, order, gates):
+    """The experts' outputs (rows in `order`, as sort_by_expert sorted the slots) back to their
+    slots, and each token's k outputs weighted by its gates and summed. out (N*k, C), gates
+    (N, k) -> (N, C), fp32 (the gates are)."""
+    N, k = gates.shape
+    slots = out[invert(order)].view(N, k, -1)  # (N*k, C) -> (N, k, C), slot n*k + j at [n, j]
+    return (slots * gates.unsqueeze(-1)).sum(dim=1)
+
+
+class MoE(nn.Module):
+    """In place of the MLP: a router (a linear layer, softmax over all E experts in fp32, bf16 runs
+    included) picks k experts a token, each token's row goes to its k experts, and their outputs
+    come back weighted by the gates. Dropless: every token reaches its k experts, however many
+    choose the same one; no capacity factor. The experts are a ModuleDict keyed by index, so a
+    shard of them (ep_train.py) keeps the names, and the init, of the full model. The
+    load-balancing loss of the last forward is in `aux_loss`.
+
+    `dispatch_combine` moves the rows to the experts and back. Here every expert is local;
+    ep_train.py replaces it, on each MoE, with all-to-alls to the ranks that hold the experts."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.router = nn.Linear(config.n_embd, config.n_experts, bias=False)
+        self.experts = nn.ModuleDict({str(i): Expert(config) for i in range(config.n_experts)})
+        self.dropout = nn.Dropout(config.dropout)
+        self.n_experts, self.top_k = config.n_experts, config.top_k
+        self.aux_loss = None
+
+    def forward(self, x):
+        B, T, C = x.size()
+        probs = F.softmax(self.router(x).float(), dim=-1)  # (B, T, E)
+        gates, experts = route(probs, self.top_k)  # each (B, T, k)
+        self.aux_loss = load_balance_loss(probs, experts)
+        rows = x.view(B * T, C)  # (B, T, C) -> (B*T, C)
+        if torch.is_autocast_enabled(x.device.type):  # the rows in the compute dtype (bf16): the
+            rows = rows.to(torch.get_autocast_dtype(x.device.type))  # experts' first cast, earlier
+        y = self.dispatch_combine(rows, experts.view(B * T, -1), gates.view(B * T, -1))
+        return self.dropout(y.view(B, T, C))  # (B*T, C) -> (B, T, C)
+
+    def dispatch_combine(self, rows, experts, gates):
+        """rows (N, C), experts and gates (N, k) -> (N, C): the gate-weighted sum of each row's k
+        experts' outputs."""
+        order, counts = sort_by_expert(experts, self.n_experts)
+        sorted_rows = rows[order // self.top_k]  # (N*k, C): slot n*k + j holds row n
+        out = run_experts(self.experts.values(), sorted_rows, counts.tolist())
+        return combine(out, order, gates)
+
+
 class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.n_experts else MLP(config)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -130,6 +245,13 @@ class GPT(nn.Module):
 
     def tie_weights(self):
         self.lm_head.weight = self.transformer.wte.weight
+
+    def aux_loss(self):
+        """A mixture of experts: the mean over the blocks of the load-balancing losses of the last
+        forward (0-dim fp32); a dense GPT: None."""
+        if not self.config.n_experts:
+            return None
+        return torch.stack([block.mlp.aux_loss for block in self.transformer.h]).mean()
 
     def forward(self, idx, targets=None):
         B, T = idx.size()

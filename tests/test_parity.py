@@ -73,6 +73,12 @@ STRATEGIES = [
     # zero3: default (all partitioned); 4 ranks with biases/LayerNorms persistent (zero3_tuning_train.py's knob),
     # accumulation, no prefetch.
     # (PyTorch's FSDP2, the peer of both fsdp and zero3, runs at 2 ranks in three rows: with accumulation in fsdp's.)
+    # ep: a mixture of 4 experts, top 2, sharded over 2 ranks with accumulation; torch DDP holding every expert;
+    # EP 2 x DP 2 (expert gradients all-reduced over their replica pair). tests/test_ep.py: forced routing, bf16,
+    # the ledgers, resume.
+    ("ep_train.py", "custom", 2, ["--n_experts", "4", "--top_k", "2", "--grad_accum_steps", "2"]),
+    ("ep_train.py", "pytorch", 2, ["--n_experts", "4", "--top_k", "2"]),
+    ("ep_train.py", "custom", 4, ["--n_experts", "4", "--top_k", "2", "--data_parallel_size", "2"]),
     ("zero3_train.py", "custom", 2, []),
     ("zero3_train.py", "pytorch", 2, []),
     ("zero3_tuning_train.py", "custom", 4, ["--persistence_threshold", "1024", "--grad_accum_steps", "2",
@@ -144,12 +150,13 @@ def row_id(script, implementation, nproc, extra):
 
 
 def plain_pytorch_run(steps=STEPS, lr_max=1e-3, lr_min=1e-4, warmup=5, seed=1337,
-                      n_layer=2, n_head=4, n_embd=64, batch_size=8, block_size=32):
+                      n_layer=2, n_head=4, n_embd=64, batch_size=8, block_size=32, n_experts=0, top_k=0):
     """The textbook loop, independent of every strategy script and of common.config: run_record's dict of its
     losses, pre-clip grad norms and evaluations (before the first step and after the last, as nanoGPT's)."""
     torch.set_num_threads(2)
     config = GPTConfig(block_size=block_size, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                       dropout=0.0, bias=True)
+                       dropout=0.0, bias=True, n_experts=n_experts, top_k=top_k,
+                       expert_hidden=4 * n_embd // top_k if n_experts else 0)  # a mixture of experts: k of E
     model = GPT(config, seed=seed)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
@@ -175,7 +182,7 @@ def plain_pytorch_run(steps=STEPS, lr_max=1e-3, lr_min=1e-4, warmup=5, seed=1337
             group["lr"] = lr
         x, y = get_batch("train", step, batch_size, block_size, seed)
         _, loss = model(x, y)
-        loss.backward()
+        (loss + 0.01 * model.aux_loss() if n_experts else loss).backward()  # --aux_loss_coef's default
         norm = torch.stack([(p.grad * p.grad).sum() for p in params]).sum().sqrt()
         for p in params:
             p.grad.mul_((1.0 / (norm + 1e-6)).clamp(max=1.0))
@@ -190,7 +197,7 @@ def plain_pytorch_run(steps=STEPS, lr_max=1e-3, lr_min=1e-4, warmup=5, seed=1337
 # Flags a row may add that change the model or batch (e.g. more layers for 4 pipeline stages): the
 # reference and the plain loop are then run with the same values. Anything else a row adds must not
 # change the math (strategy flags, --grad_accum_steps).
-MODEL_FLAGS = ("--n_layer", "--n_head", "--n_embd", "--batch_size", "--block_size")
+MODEL_FLAGS = ("--n_layer", "--n_head", "--n_embd", "--batch_size", "--block_size", "--n_experts", "--top_k")
 
 
 def model_flags(extra):

@@ -1,0 +1,368 @@
+"""ep_train.py and the mixture of experts in common/model.py: expert parallelism equals one process.
+
+The reference is one process, `ddp_train.py --n_experts 4` (every expert local). The runs go through each script's
+real main() in spawned gloo ranks, several runs a spawn (starting ranks is the slow part): one process (the
+references), 2 ranks (EP 2 and its torch DDP peer with accumulation, bf16, a forced router, a cut and its resume,
+and the strategy's pieces called directly), 4 ranks (EP 4 and EP 2 x DP 2 with accumulation). Tolerances are
+tests/test_parity.py's: TOL on every loss, aux loss and evaluation, NORM_TOL relative on the pre-clip grad norm;
+bf16 is compared with the fp32 reference at tests/test_bf16.py's TOL.
+"""
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import common.model
+import ddp_train
+import ep_train
+from conftest import PARITY, TINY, read_metrics, refusal, spawn
+from common.config import gpt_config, parse_args
+from common.data import get_batch
+from common.metrics import model_state_bytes
+from common.model import GPT, GPTConfig, MoE, load_balance_loss, route
+from ep_train import EP, ExpertParallel, add_ep_flags
+
+TOL, NORM_TOL, BF16_TOL = 1e-5, 1e-6, 5e-3  # tests/test_parity.py's and tests/test_bf16.py's
+STEPS, CUT, SHORT = 15, 6, 10  # SHORT: the runs that need fewer steps (the schedule pinned to STEPS' as it is)
+MOE = ["--n_experts", "4", "--top_k", "2"]
+FLAGS = PARITY + MOE + ["--max_iters", str(STEPS)]
+ACCUM = ["--grad_accum_steps", "2"]
+SHORTER = ["--max_iters", str(SHORT), "--lr_decay_iters", str(STEPS), "--eval_interval", "0"]
+
+
+def forced_route(probs, k):
+    """Every token to experts 0..k-1 (all on EP rank 0 at E = 4, EP = 2), with their renormalised gates: the router
+    still learns through them."""
+    gates = probs[..., :k]
+    experts = torch.arange(k).expand(gates.shape).contiguous()
+    return gates / gates.sum(dim=-1, keepdim=True), experts
+
+
+def _main(script, argv, forced=False):
+    """script's main(argv) in this spawned rank (its process group already made); returns, per training forward of
+    each MoE layer, the rows this rank's experts computed (ep_train.run_experts, wrapped)."""
+    rows = []
+    original_route, original_run = common.model.route, ep_train.run_experts
+
+    def counting_run(experts, received, counts):
+        if torch.is_grad_enabled():  # a training forward, not an evaluation
+            rows.append(received.size(0))
+        return original_run(experts, received, counts)
+
+    ep_train.run_experts = counting_run
+    if forced:
+        common.model.route = forced_route
+    try:
+        {"ddp": ddp_train, "ep": ep_train}[script].main(argv)
+    finally:
+        common.model.route, ep_train.run_experts = original_route, original_run
+    return rows
+
+
+def _runs(rank, world_size, runs, checks=False):
+    """Each (script, argv, forced) of runs, in turn; with checks, the 2-rank checks of the strategy's pieces too."""
+    for key, value in dict(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size).items():
+        os.environ[key] = str(value)
+    out = {"rows": [_main(*run) for run in runs]}
+    if checks:
+        out.update(identity=_identity(rank, world_size), ledger=_ledger(rank, world_size))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: (out_dir, [rows per training forward per MoE layer, by rank])} of every run of this file."""
+    root = tmp_path_factory.mktemp("ep")
+    cut = ["--resume_from", str(root / "ep2-cut" / "ckpt.pt")]
+    plan = {
+        1: [("reference", "ddp", [], False), ("reference-forced", "ddp", SHORTER, True),
+            ("ddp-resumed", "ddp", SHORTER + cut, False)],
+        2: [("ep2", "ep", ACCUM, False), ("ep2-pytorch", "ep", ACCUM + ["--implementation", "pytorch"], False),
+            ("ep2-bf16", "ep", SHORTER + ["--dtype", "bfloat16"], False), ("ep2-forced", "ep", SHORTER, True),
+            ("ep2-pytorch-forced", "ep", SHORTER + ["--implementation", "pytorch"], True),
+            ("ep2-cut", "ep", ACCUM + ["--max_iters", str(CUT), "--lr_decay_iters", str(STEPS)], False),
+            ("ep2-resumed", "ep", ACCUM + SHORTER + cut, False)],
+        4: [("ep4", "ep", ACCUM, False), ("ep2xdp2", "ep", ACCUM + ["--data_parallel_size", "2"], False)],
+    }
+    found = {}
+    for nproc in (2, 1, 4):  # the cut before the single process resumes it
+        runs = [(script, FLAGS + extra + ["--out_dir", str(root / name)], forced)
+                for name, script, extra, forced in plan[nproc]]
+        started = time.time()
+        ranks = spawn(_runs, nproc, runs, nproc == 2)
+        print(f"{nproc} rank(s): {len(runs)} runs in {time.time() - started:.1f} s")
+        for k, (name, *_) in enumerate(plan[nproc]):
+            found[name] = root / name, [r["rows"][k] for r in ranks]
+        found[f"checks{nproc}"] = ranks
+    return found
+
+
+def record(out_dir):
+    rows = read_metrics(out_dir)
+    steps = [r for r in rows if "loss" in r]
+    return dict(loss=[r["loss"] for r in steps], aux=[r["aux_loss"] for r in steps],
+                norm=[r["grad_norm"] for r in steps], eval={r["step"]: (r["train_loss"], r["val_loss"])
+                                                            for r in rows if "val_loss" in r})
+
+
+def differences(run, ref, first=0):
+    """The largest |dloss| over losses, aux losses and evaluations, and the largest relative |dnorm|."""
+    pairs = list(zip(run["loss"], ref["loss"][first:])) + list(zip(run["aux"], ref["aux"][first:]))
+    for step, mine in run["eval"].items():
+        if step in ref["eval"]:
+            pairs += zip(mine, ref["eval"][step])
+    norms = zip(run["norm"], ref["norm"][first:])
+    return max(abs(a - b) for a, b in pairs), max(abs(a - b) / b for a, b in norms)
+
+
+@pytest.mark.parametrize("name", ["ep2", "ep2-pytorch", "ep4", "ep2xdp2", "ep2-forced", "ep2-pytorch-forced"])
+def test_parity_with_one_process(name, runs):
+    """Loss, aux loss, evaluations and pre-clip grad norm of every step equal one process's (accumulation: 2
+    micro-steps; forced: every token to experts 0 and 1, both on rank 0)."""
+    reference = record(runs["reference-forced" if "forced" in name else "reference"][0])
+    run = record(runs[name][0])
+    dloss, dnorm = differences(run, reference)
+    print(f"{name}: max |dloss| {dloss:.2e}, max rel |dnorm| {dnorm:.2e}")
+    steps = SHORT if "forced" in name else STEPS
+    assert len(run["loss"]) == steps and sorted(run["eval"]) == ([] if "forced" in name else [0, STEPS])
+    assert dloss <= TOL and dnorm <= NORM_TOL
+    assert run["loss"][-1] < run["loss"][0] - 0.3, "it trains"
+    assert min(reference["norm"]) > 1.0, "every step clips: a gradient off by a factor shows in its norm"
+
+
+def test_aux_loss_is_logged_before_its_coefficient_near_1_when_balanced(runs):
+    reference = record(runs["reference"][0])
+    assert all(0.95 < a < 1.2 for a in reference["aux"]), reference["aux"]  # E sum f P: 1 when balanced
+
+
+def test_forced_router_sends_every_row_to_rank_0(runs):
+    """Rank 1 holds experts 2 and 3, which no token chose: it receives 0 rows at every layer of every step (the most
+    uneven split), and still runs its experts on them."""
+    rank0, rank1 = runs["ep2-forced"][1]
+    assert len(rank0) == len(rank1) == 2 * SHORT  # 2 layers
+    assert all(r == 8 * 32 * 2 for r in rank0) and set(rank1) == {0}  # B*T*k rows, all on rank 0
+
+
+def test_tokens_received_per_step_sum_to_b_t_k(runs):
+    """Summed over the micro-steps and ranks, the rows the experts of each layer compute in a step are B*T*k, and
+    routing spreads them (neither rank gets all)."""
+    B, T, k, layers, A = 8, 32, 2, 2, 2
+    per_rank = runs["ep2"][1]  # per rank: [micro-step 0 layer 0, layer 1, micro-step 1 layer 0, ...]
+    for step in range(STEPS):
+        mine = [rows[step * A * layers:(step + 1) * A * layers] for rows in per_rank]
+        for layer in range(layers):
+            assert sum(rows[layer::layers][j] for rows in mine for j in range(A)) == B * T * k
+    assert all(0 < sum(rows) < STEPS * layers * B * T * k for rows in per_rank)
+
+
+def test_bf16_tracks_fp32(runs):
+    """Its rows cross the all-to-alls in bf16 (test_all_to_all_bytes_match_the_formula), its gates and aux loss stay
+    fp32."""
+    fp32, run = record(runs["reference"][0]), record(runs["ep2-bf16"][0])
+    assert len(run["loss"]) == SHORT
+    dloss = max(abs(a - b) for a, b in zip(run["loss"] + run["aux"], fp32["loss"][:SHORT] + fp32["aux"][:SHORT]))
+    print(f"ep2 bf16: max |dloss| against fp32 {dloss:.2e}")
+    assert dloss <= BF16_TOL
+
+
+def test_resume_is_bit_exact_and_the_checkpoint_is_one_process_layout(runs):
+    """EP 2 cut at step CUT and resumed equals the run that was not cut, bit for bit; the same checkpoint resumed by
+    one process (ddp_train.py, every expert) continues as one process does."""
+    whole, resumed = record(runs["ep2"][0]), record(runs["ep2-resumed"][0])
+    assert len(resumed["loss"]) == SHORT - CUT
+    assert resumed["loss"] == whole["loss"][CUT:SHORT] and resumed["norm"] == whole["norm"][CUT:SHORT]
+    assert resumed["aux"] == whole["aux"][CUT:SHORT]
+    ckpt = torch.load(runs["ep2-cut"][0] / "ckpt.pt", weights_only=True)
+    config = GPTConfig(**ckpt["config"])
+    assert (config.n_experts, config.top_k, config.expert_hidden) == (4, 2, 128)
+    assert set(ckpt["model"]) == set(GPT(config, device="meta").state_dict())
+    assert set(ckpt["optimizer"]) == {n for n, _ in GPT(config, device="meta").named_parameters()}
+    dloss, dnorm = differences(record(runs["ddp-resumed"][0]), record(runs["reference"][0]), first=CUT)
+    assert dloss <= TOL and dnorm <= NORM_TOL
+
+
+def test_sample_reads_a_mixture_of_experts_checkpoint(runs, capsys):
+    import sample
+    sample.main(["--out_dir", str(runs["ep2"][0]), "--num_samples", "1", "--max_new_tokens", "4", "--device", "cpu"])
+    assert "---------------" in capsys.readouterr().out
+
+
+# ---- the strategy's pieces, called directly on 2 ranks (in the runs' 2-rank spawn) ---------------------------
+
+def _identity(rank, world_size):
+    """ExpertParallel with identity experts: dispatch then combine returns each row (k = 1, or k = 2 with gates 1
+    and 0), or each row twice summed (k = 2, gates 1), bit for bit, for an uneven routing where expert 3 gets no
+    row."""
+    torch.manual_seed(rank)
+    rows = torch.randn(12 + 5 * rank, 8)
+    results = []
+    for k, gate in ((1, [1.0]), (2, [1.0, 1.0]), (2, [1.0, 0.0])):
+        experts = torch.randint(0, 3, (rows.size(0), k))  # 0..2: none for expert 3, on rank 1
+        gates = torch.tensor(gate).expand(rows.size(0), k)
+        local = {str(i): torch.nn.Identity() for i in range(2 * rank, 2 * rank + 2)}
+        dispatch = ExpertParallel(torch.nn.ModuleDict(local), SimpleNamespace(n_experts=4, top_k=k), dist.group.WORLD)
+        expected = rows * sum(gate)
+        results.append(torch.equal(dispatch(rows, experts, gates), expected))
+    return results
+
+
+def test_dispatch_then_combine_returns_the_input_bit_for_bit(runs):
+    assert all(all(r["identity"]) for r in runs["checks2"]), [r["identity"] for r in runs["checks2"]]
+
+
+def _ledger(rank, world_size):
+    """One optimizer step of the strategy (2 micro-steps, fp32 and bf16) with dist.all_to_all_single counted: the
+    bytes handed to it and their dtype; the expert parameters and AdamW state this rank holds."""
+    found = {}
+    for dtype in ("float32", "bfloat16"):
+        args = parse_args("ep", add_ep_flags, TINY + MOE + ACCUM + ["--dtype", dtype])
+        strategy = EP(gpt_config(args), args, torch.device("cpu"))
+        optimizer = strategy.configure_optimizer(args)
+        sent, original = [], dist.all_to_all_single
+
+        def counting(output, input, *a, **kw):
+            sent.append((input.numel() * input.element_size(), str(input.dtype)))
+            return original(output, input, *a, **kw)
+
+        dist.all_to_all_single = counting
+        try:
+            x, y = get_batch("train", 0, 8, 32, 1337)
+            mine = slice(rank * 4, rank * 4 + 4)
+            for j in range(2):
+                strategy.forward_backward(x[mine][2 * j:2 * j + 2], y[mine][2 * j:2 * j + 2], sync=j == 1)
+        finally:
+            dist.all_to_all_single = original
+        optimizer.step()
+        experts = {n: p.numel() for n, p in strategy.model.named_parameters() if ".experts." in n}
+        state = {n: sorted(optimizer.state[p]) for n, p in strategy.model.named_parameters() if ".experts." in n}
+        found[dtype] = sent, experts, state, model_state_bytes(optimizer)
+    return found
+
+
+def _one_process_routing():
+    """Each layer's experts (B, T, k) for the global batch of step 0 in one process (common.model.route recorded)."""
+    args = parse_args("ddp", None, TINY + MOE)
+    model = GPT(gpt_config(args), seed=args.seed)
+    chosen, original = [], common.model.route
+
+    def recording(probs, k):
+        gates, experts = original(probs, k)
+        chosen.append(experts)
+        return gates, experts
+
+    common.model.route = recording
+    try:
+        model(*get_batch("train", 0, 8, 32, 1337))
+    finally:
+        common.model.route = original
+    return chosen
+
+
+def test_all_to_all_bytes_match_the_formula(runs):
+    """Per MoE layer and micro-step a rank hands all_to_all_single 8E bytes of counts, then 2 (N k + R) C s bytes of
+    rows (forward: its N k slots out, its experts' R rows back; backward: the same, swapped), s = 2 in bf16: R from
+    one process's routing of the same batch."""
+    E, C, k, micro, T = 4, 64, 2, 2, 32
+    routing = _one_process_routing()  # per layer (8, 32, 2)
+    for rank, r in enumerate(runs["checks2"]):
+        for dtype, size in (("float32", 4), ("bfloat16", 2)):
+            sent, _, _, _ = r["ledger"][dtype]
+            expected = 0
+            for j in range(2):  # micro-step j: rows [2j, 2j+2) of each rank's 4
+                rows = [s * 4 + 2 * j + i for s in range(2) for i in range(2)]  # both ranks' rows of it
+                for experts in routing:
+                    received = ((experts[rows] // 2) == rank).sum().item()  # experts 2r, 2r+1 are rank r's
+                    expected += 8 * E + 2 * (micro * T * k + received) * C * size
+            assert sum(b for b, _ in sent) == expected, (rank, dtype)
+            assert len(sent) == 2 * 2 * 5  # micro-steps x layers x (counts, 2 forward, 2 backward)
+            assert {d for _, d in sent} == {"torch.int64", f"torch.{dtype}"}
+
+
+def test_each_rank_holds_its_experts_and_their_adamw_state_only(runs):
+    full = {n: p.numel() for n, p in GPT(gpt_config(parse_args("ddp", None, TINY + MOE)), device="meta")
+            .named_parameters()}
+    expert_numel = sum(v for n, v in full.items() if ".experts." in n)
+    dense_numel = sum(v for n, v in full.items() if ".experts." not in n)
+    held = []
+    for rank, r in enumerate(runs["checks2"]):
+        _, experts, state, state_bytes = r["ledger"]["float32"]
+        assert {n.split(".experts.")[1].split(".")[0] for n in experts} == {str(2 * rank), str(2 * rank + 1)}
+        assert all(full[n] == v for n, v in experts.items()) and sum(experts.values()) == expert_numel // 2
+        assert all(s == ["exp_avg", "exp_avg_sq", "step"] for s in state.values()) and state.keys() == experts.keys()
+        n_tensors = len(full) - len(experts)  # this rank's tensors: full less the other rank's experts
+        assert state_bytes == 16 * (dense_numel + expert_numel // 2) + 4 * n_tensors
+        held.append(set(experts))
+    assert held[0].isdisjoint(held[1]) and held[0] | held[1] == {n for n in full if ".experts." in n}
+
+
+# ---- the model's routing, in one process ----------------------------------------------------------------------
+
+def test_route_breaks_ties_to_the_lower_expert_and_renormalises():
+    probs = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.1, 0.3, 0.3, 0.3], [0.4, 0.1, 0.4, 0.1]])
+    gates, experts = route(probs, 2)
+    assert experts.tolist() == [[0, 1], [1, 2], [0, 2]]
+    assert torch.equal(gates, torch.full((3, 2), 0.5))
+
+
+def test_aux_loss_is_per_sequence_so_any_split_of_the_batch_gives_its_mean():
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(4, 16, 8), dim=-1)
+    _, experts = route(probs, 2)
+    whole = load_balance_loss(probs, experts)
+    halves = (load_balance_loss(probs[:2], experts[:2]) + load_balance_loss(probs[2:], experts[2:])) / 2
+    assert torch.allclose(whole, halves, rtol=0, atol=1e-6)
+    one = load_balance_loss(probs[:1], experts[:1])
+    f = torch.bincount(experts[0].flatten(), minlength=8) / 32
+    assert torch.allclose(one, 8 * (f * probs[0].mean(0)).sum(), atol=1e-6)
+    uniform = torch.full((1, 16, 8), 1 / 8)
+    assert torch.allclose(load_balance_loss(uniform, route(uniform, 2)[1]), torch.tensor(1.0))
+
+
+def test_an_expert_without_rows_gets_a_zero_gradient_not_none(monkeypatch):
+    monkeypatch.setattr(common.model, "route", forced_route)
+    moe = MoE(GPTConfig(n_embd=16, n_experts=4, top_k=2, expert_hidden=8))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p)
+    moe(torch.randn(2, 5, 16)).sum().backward()
+    for i in ("2", "3"):
+        assert all(p.grad is not None and not p.grad.any() for p in moe.experts[i].parameters())
+    assert all(p.grad.any() for p in moe.experts["0"].parameters())
+
+
+def test_experts_default_to_the_dense_mlps_flops_and_dense_stays_dense():
+    args = parse_args("ddp", None, TINY + ["--n_experts", "8", "--top_k", "2"])
+    assert gpt_config(args).expert_hidden == 4 * 64 // 2
+    dense = gpt_config(parse_args("ddp", None, TINY))
+    assert (dense.n_experts, dense.top_k, dense.expert_hidden) == (0, 0, 0)
+    assert not any("expert" in n or "router" in n for n, _ in GPT(dense, device="meta").named_parameters())
+
+
+# ---- bad input: one line each, from the scripts' own checks (no launch) -----------------------------------------
+
+BAD = [
+    ("ep_train.py", ["--n_experts", "4"], 3, "--n_experts: 4 must be divisible by the EP size (3"),
+    ("ep_train.py", ["--n_experts", "4", "--data_parallel_size", "2"], 6, "--n_experts: 4 must be divisible by the EP"),
+    ("ep_train.py", ["--n_experts", "4", "--top_k", "5"], 2, "--top_k: must be <= --n_experts (4), got 5"),
+    ("ep_train.py", ["--top_k", "0"], 2, "--top_k: must be >= 1, got 0"),
+    ("ep_train.py", ["--n_experts", "0"], 2, "--n_experts: ep_train.py shards the experts"),
+    ("ep_train.py", ["--data_parallel_size", "3"], 4, "--data_parallel_size: 3 must be > 0 and divide"),
+    ("ddp_train.py", ["--n_experts", "4", "--top_k", "-1"], None, "--top_k: must be >= 1, got -1"),
+    ("ddp_train.py", ["--top_k", "2"], None, "--top_k: only for a mixture of experts"),
+    ("ddp_train.py", ["--n_experts", "4", "--implementation", "pytorch"], None, "ep_train.py's --implementation"),
+    ("ddp_train.py", ["--n_experts", "4", "--compile"], None, "--compile: not with --n_experts"),
+    *[(script, ["--n_experts", "4"], None, "--n_experts: ") for script in
+      ("fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py", "hybrid_train.py",
+       "pp_zb_train.py", "tp_overlap_train.py")],
+]
+
+
+@pytest.mark.parametrize("script,flags,nproc,line", BAD, ids=[f"{s[:-9]}{' '.join(f)}-{n or 1}r" for s, f, n, _ in BAD])
+def test_bad_input_is_one_line(script, flags, nproc, line, tmp_path, monkeypatch, capsys):
+    error = refusal(script, nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags, monkeypatch,
+                    capsys)
+    assert line in error, error
+    if script not in ("ep_train.py", "ddp_train.py"):
+        assert "trains the dense GPT; a mixture of experts trains in ddp_train.py or ep_train.py" in error
