@@ -141,6 +141,8 @@ AS_USERS_TORCH = {
     ("tp_train.py", "pytorch", 4, ("--tensor_parallel_size", "2", "--sequence_parallel", "--grad_accum_steps", "2")),
     ("fsdp_train.py", "custom", 2, ()), ("fsdp_train.py", "pytorch", 2, ()),  # ShardedAdamW; FSDP2
     ("ddp_train.py", "custom", 2, ()), ("ddp_train.py", "pytorch", 2, ()),
+    ("ep_train.py", "custom", 2, ("--n_experts", "4", "--top_k", "2", "--grad_accum_steps", "2")),
+    ("ep_train.py", "pytorch", 2, ("--n_experts", "4", "--top_k", "2")),
 }
 
 

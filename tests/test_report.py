@@ -166,6 +166,7 @@ def plan(gpus, *args, nproc="2"):
 
 
 HYBRID_4D = "runs/smoke/hybrid@dp2tp2pp2cp2-custom"  # hybrid_train.py on 16 ranks: the CPU unless 16 GPUs
+MOE_REFERENCE = "runs/smoke-moe/reference"  # the mixture of experts' own one-process reference
 
 
 def test_run_all_plans_cpu_without_a_gpu():
@@ -173,8 +174,9 @@ def test_run_all_plans_cpu_without_a_gpu():
     assert result.returncode == 0 and "GPU(s) for" not in result.stdout
     assert {device for _, _, device, _ in rows} == {"cpu"}
     assert ("runs/smoke/reference", "1") == rows[0][:2]
-    assert all(ranks == "2" for name, ranks, _, _ in rows[1:] if name != HYBRID_4D)
+    assert all(ranks == "2" for name, ranks, _, _ in rows[1:] if name not in (HYBRID_4D, MOE_REFERENCE))
     assert [ranks for name, ranks, _, _ in rows if name == HYBRID_4D] == ["16"]
+    assert [ranks for name, ranks, _, _ in rows if name == MOE_REFERENCE] == ["1"]
     assert "runs/smoke/cp-pytorch" not in [r[0] for r in rows]  # torch's context_parallel: CUDA only
     assert not any(name.startswith("runs/smoke-gpu") for name, *_ in rows)
 
