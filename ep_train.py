@@ -175,7 +175,8 @@ class EP:
         # The expert gradients (4Pe/EP bytes) summed over the replicas of this rank's shard: each
         # EP group saw 1/replicas of the batch. Without EP x DP each shard is alone: no call.
         if dist.get_world_size(self.replica_group) > 1:
-            works.append(dist.all_reduce(self.expert_grads, group=self.replica_group, async_op=True))
+            works.append(dist.all_reduce(self.expert_grads, group=self.replica_group,
+                                         async_op=True))
         with timers("all_reduce_wait"):
             for work in works:
                 work.wait()
