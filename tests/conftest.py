@@ -325,9 +325,9 @@ def cut_args(implementation):
                      "--max_iters", str(CUT), "--profile"]
 
 
-def runs_here(script, implementation):
-    """Whether this torch runs (script, implementation): peer_needs marks no skip."""
-    return not any(mark.args[0] for mark in peer_needs(script, implementation))
+def runs_here(script, implementation, dtype="float32"):
+    """Whether this torch runs (script, implementation, dtype): peer_needs marks no skip."""
+    return not any(mark.args[0] for mark in peer_needs(script, implementation, dtype))
 
 
 # Every cut run, each script's hand-written one and PyTorch's where it runs on CPU (cp's needs CUDA): the resume,

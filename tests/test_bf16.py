@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import PARITY, PARITY_STEPS, TINY, peer_needs, probe_runs, spawn, step_losses
+from conftest import PARITY, PARITY_STEPS, TINY, peer_needs, probe_runs, runs_here, spawn, step_losses
 from common.config import gpt_config, parse_args
 from common.data import get_batch
 from cp_train import ContextParallel, add_cp_flags, check_cp_args
@@ -40,15 +40,11 @@ FP32_GRADIENTS = {"fsdp_train.py": "reduce_scatter_single:torch.float32", "zero3
 NO_BF16 = {"ddp_train.py": "all_reduce:torch.bfloat16", "cp_train.py": "all_reduce:torch.bfloat16"}
 
 
-def bf16_runs_here(script, implementation):
-    return not any(mark.args[0] for mark in peer_needs(script, implementation, "bfloat16"))
-
-
 @pytest.fixture(scope="module")
 def bf16_runs(tmp_path_factory):
     """Every row of RUNS that this torch runs, probed in one launch at 2 ranks: {(script, implementation): (its
     out_dir, its ranks' probe records)}."""
-    rows = [row for row in RUNS if bf16_runs_here(*row)]
+    rows = [row for row in RUNS if runs_here(*row, "bfloat16")]
     out_dirs = [tmp_path_factory.mktemp("bf16") for _ in rows]
     runs = [(script, [*FLAGS, "--dtype", "bfloat16", "--implementation", implementation, "--out_dir", str(out)])
             for (script, implementation), out in zip(rows, out_dirs)]
