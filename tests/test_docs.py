@@ -342,3 +342,29 @@ def test_the_checks_catch_a_broken_link_a_bogus_flag_and_a_missing_path(flags_of
         "docs/example.md:17: --no_such_flag is not a flag of ddp_train.py",
         "docs/example.md:19: --fast is not a flag of run_all.sh"]
     assert path_problems(name, page) == ["docs/example.md:14: common/no_such_module.py does not exist in the checkout"]
+
+
+def readme_commands(text):
+    """The install and test commands of the README's code blocks, in order, their comments dropped."""
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    lines = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line.startswith(("python3 -m pip install", "python3 -m pytest"))]
+
+
+def ci_commands(text, pin="torch==2.13.0"):
+    """.ci/run's commands but its shell set-up (set, cd), each install's torch pin taken out (and required)."""
+    lines = [line.strip() for line in text.splitlines()]
+    lines = [line for line in lines if line and not line.startswith(("#", "set ", "cd "))]
+    for line in lines:
+        assert " pip install " not in line or line.endswith(" " + pin), f".ci/run: {line!r} lacks {pin}"
+    return [line.removesuffix(" " + pin) for line in lines]
+
+
+def test_ci_runs_exactly_the_readmes_install_and_test_commands():
+    """A green CI means a new user's commands work: .ci/run runs the README's pip installs and its test command, in
+    the README's order, with torch pinned and nothing else (a missing install hid behind an extra line before)."""
+    readme = readme_commands(open(os.path.join(REPO, "README.md")).read())
+    assert readme[-1] == "python3 -m pytest -q tests" and len(readme) >= 3, readme
+    assert ci_commands(open(os.path.join(REPO, ".ci", "run")).read()) == readme
+    extra = "python3 -m pip install -r requirements-data.txt torch==2.13.0\n"  # a line the README lacks
+    assert ci_commands(open(os.path.join(REPO, ".ci", "run")).read() + extra) != readme
