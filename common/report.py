@@ -16,6 +16,7 @@ commit and command of its runs.
 """
 import functools
 import json
+import math
 import os
 import platform
 import statistics
@@ -67,11 +68,14 @@ def mib(nbytes):
 
 def divergence(run, reference):
     """The largest difference from the reference: |dloss| over the steps and evaluations, and the
-    relative |dnorm| of the steps' pre-clip grad norms."""
+    relative |dnorm| of the steps' pre-clip grad norms; inf if either side has a NaN or an inf."""
     losses = list(zip(run["losses"], reference["losses"]))
     for step, pair in run["evals"].items():
         losses += zip(pair, reference["evals"].get(step, (float("inf"),) * 2))  # none: diverged
     norms = [(a, b) for a, b in zip(run["norms"], reference["norms"]) if a is not None]
+    values = [x for pair in losses + norms for x in pair]
+    if not all(math.isfinite(x) for x in values):  # a NaN anywhere: max keeps one only if it is first
+        return float("inf")
     return max([abs(a - b) for a, b in losses] + [abs(a - b) / abs(b) for a, b in norms])
 
 

@@ -2,6 +2,7 @@
 import importlib
 import itertools
 import json
+import math
 import os
 import pickle
 import re
@@ -37,6 +38,10 @@ def peer_needs(script, implementation, dtype="float32"):
     return [pytest.mark.skipif(too_old, reason=f"{script} {implementation} {dtype} needs torch >= {needed}")]
 
 
+# The suite checks the CPU (gloo) paths, whatever the machine: a machine's GPUs are hidden from this process and every
+# script it launches, before anything asks CUDA (two ranks on one GPU are refused by NCCL; a GPU would change the
+# default dtype to bf16). The GPU paths are checked by fakes (tests/test_setup.py) and by tests/gpu/.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(REPO), "shared")
 sys.path.insert(0, REPO)
@@ -80,6 +85,11 @@ def prepared_data():
     assert error is None, error
 
 
+# One process's intra-op threads, the same in the single-process reference and in test_parity.py's plain loop: a sum
+# split over another number of threads adds in another order (on a machine with many cores, a flake in waiting).
+ONE_PROCESS_THREADS = 2
+
+
 def launch(script, nproc, args, timeout=300, check_teardown=True, torchrun=True, old_names=False):
     """Run a strategy script: plain python when nproc is None, else nproc ranks under torchrun.
 
@@ -93,8 +103,8 @@ def launch(script, nproc, args, timeout=300, check_teardown=True, torchrun=True,
     Every launch but old_names=True (launch_as_user's) checks that no collective was called by a name torch
     2.13 deprecates (common.distributed picks the new one where it exists)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if nproc is None:
-        ranks = [([sys.executable, script], env)]
+    if nproc is None:  # the one-process reference's threads: the plain loop's (test_parity.py), on any machine
+        ranks = [([sys.executable, script], dict(env, OMP_NUM_THREADS=str(ONE_PROCESS_THREADS)))]
     elif torchrun:
         ranks = [([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script],
                   env)]
@@ -303,6 +313,29 @@ def run_record(out_dir):
     rows = read_metrics(out_dir)
     return dict(loss=[r["loss"] for r in rows if "loss" in r], grad_norm=[r["grad_norm"] for r in rows if "loss" in r],
                 eval=[(r["step"], r["train_loss"], r["val_loss"]) for r in rows if "val_loss" in r])
+
+
+def finite(values, what):
+    """values as a list, asserting that every one is a finite number: a NaN or an inf anywhere fails the caller."""
+    values = list(values)
+    bad = [(i, v) for i, v in enumerate(values) if not math.isfinite(v)]
+    assert not bad, f"{what}: non-finite values (index, value) {bad[:5]} of {len(values)}"
+    return values
+
+
+def paired(run, ref, what):
+    """zip(run, ref) as a list, asserting equal lengths (zip alone cuts the longer one short) and finite values."""
+    run, ref = finite(run, f"{what} (run)"), finite(ref, f"{what} (reference)")
+    assert len(run) == len(ref), f"{what}: {len(run)} values against the reference's {len(ref)}"
+    return list(zip(run, ref))
+
+
+def worst(values, what="difference"):
+    """The largest of values, every one finite: Python's max keeps a NaN only when it comes first, so a run that
+    turns NaN after its first step would otherwise compare as well as its first step did."""
+    values = finite(values, what)
+    assert values, f"{what}: nothing to compare"
+    return max(values)
 
 
 # The parity config (tests/test_parity.py), shared with the resume tests so that they can reuse its runs.

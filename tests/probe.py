@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from common.distributed import BEFORE_2_13, teardown, torch_name  # noqa: E402
 from common.model import GPT  # noqa: E402
-from runs import split_runs  # noqa: E402
+from runs import fresh_run_state, split_runs  # noqa: E402
 
 record = dict(rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
               train_rows=[], eval_rows=[], train_x=[], digests=[], params=None, collectives=collections.Counter())
@@ -92,6 +92,7 @@ torch.distributed.batch_isend_irecv = batch_isend_irecv
 runs = split_runs(sys.argv[1:])
 scripts = {script: importlib.import_module(script) for script, _ in runs}  # before any group (tests/runs.py)
 for k, (script, argv) in enumerate(runs):
+    fresh_run_state()  # what an earlier run set, as a fresh process has it (tests/runs.py)
     sys.argv = [f"{script}.py", *argv]  # as in a run of its own (tests/runs.py)
     scripts[script].main(argv)
     write(os.environ["PROBE_OUT"] if len(runs) == 1 else os.path.join(os.environ["PROBE_OUT"], str(k)))

@@ -5,12 +5,18 @@ serves several short runs (a launch costs seconds of start-up, a tiny run a frac
 
 Each group of flags after the script is one run, in order; the process group is set up by the first. A group
 that starts with a script's name runs that script, and so do the groups after it (split_runs).
-Each run starts with dynamo's caches and counters cleared (torch._dynamo.reset() and counters.clear(): a run
-compiles as a fresh process would, with no earlier run's graphs, recompile limit or counts) and, when it has an --out_dir, leaves there
+Each run starts from what a fresh process has (fresh_run_state: dynamo's caches and counters, so that a run compiles
+as a fresh process would, with no earlier run's graphs, recompile limit or counts; deterministic mode; ...) and, when
+it has an --out_dir, leaves there
 dynamo_rank<RANK>.json, this rank's torch._dynamo.utils.counters after its first training step and at its end:
     {"after_first_step": {"frames": {...}, "stats": {...}, "graph_break": {...}}, "end": {...}}
+and attend_rank<RANK>.json, how often this rank's attention cores ran (every class's `attend`, the function
+--activation_checkpointing selective recomputes and full recomputes inside its block), outside compiled code:
+    {"forward": calls with autograd recording, outside backward, "backward": calls inside backward (a recompute)}
 """
+import functools
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -19,10 +25,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import torch._dynamo  # noqa: E402
+import torch.utils.deterministic  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-from common.distributed import teardown  # noqa: E402
-from common.metrics import Metrics  # noqa: E402
+from common.distributed import clear_distributed_caches, teardown  # noqa: E402
+from common.metrics import Metrics, timers  # noqa: E402
 
 COUNTED = ("frames", "stats", "graph_break")  # what dynamo traced, compiled, and where it broke
 after_first_step = []  # this run's counters after its first training step, once taken
@@ -38,6 +45,49 @@ def step_counted(step):
         if not after_first_step:
             after_first_step.append(counted())
     return call
+
+
+attends = dict(forward=0, backward=0)
+
+
+def fresh_run_state():
+    """Puts back, before each run of a launch (this file's, tests/probe.py's, tests/user_torch.py's), what a run of a
+    script's main() may leave set in its process, as a fresh process has it: so a batched run is the run alone
+    (tests/test_parity.py's test_a_batched_run_equals_the_same_run_alone):
+    - dynamo's caches and counters (an earlier run's graphs, recompile limit and counts);
+    - --deterministic's mode, its NaN fill of torch.empty, and on CUDA the SDPA kernels it turns off;
+    - inductor's fallback_random (--compile, common.model.compile_forward);
+    - the timers' spans (--print_schedule);
+    - DTensor's and torch.distributed's caches, keyed by the meshes and groups of a finished run.
+    Kept, as they need not be reset: the default process group, which setup() reuses (it holds no number, only the
+    order of collectives, which every rank advances alike); gc.freeze (once a process, it moves the imports out of
+    the collector's walks and changes no value); the seeds, threads, TF32 and the meters, which setup() sets anew."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.use_deterministic_algorithms(False)
+    torch.utils.deterministic.fill_uninitialized_memory = True  # its default, read only in deterministic mode
+    for backend in ("flash", "mem_efficient", "cudnn", "math"):
+        getattr(torch.backends.cuda, f"enable_{backend}_sdp")(True)
+    if "torch._inductor.config" in sys.modules:
+        sys.modules["torch._inductor.config"].fallback_random = False
+    timers.keep_spans = False
+    clear_distributed_caches()
+
+
+def count_attends(modules):
+    """Wraps the `attend` of every class defined in `modules` to count its calls into `attends`: under a backward
+    (autograd is running a node: only a recompute calls it there) or in a forward that autograd records. Compiled
+    code calls it uncounted (dynamo traces the original), so no compiled graph changes."""
+    classes = {c for m in modules for _, c in inspect.getmembers(m, inspect.isclass) if "attend" in vars(c)}
+    for cls in classes:
+        def counted_attend(self, *args, _attend=vars(cls)["attend"]):
+            if not torch.compiler.is_compiling():
+                if torch._C._current_autograd_node() is not None:
+                    attends["backward"] += 1
+                elif torch.is_grad_enabled():
+                    attends["forward"] += 1
+            return _attend(self, *args)
+        cls.attend = functools.wraps(vars(cls)["attend"])(counted_attend)
 
 
 def split_runs(argv):
@@ -61,14 +111,19 @@ if __name__ == "__main__":
     # Every script imported before the first run makes a process group, as in a run of its own: a module
     # imported later binds the live default group into its functions' default arguments, past teardown.
     scripts = {script: importlib.import_module(script) for script, _ in runs}
+    project = [m for name, m in sys.modules.items() if name.startswith(("common.", "peers."))]
+    count_attends([*scripts.values(), *project])
     for script, argv in runs:
-        torch._dynamo.reset()
-        counters.clear()  # each run's own: an earlier run may have compiled too
+        fresh_run_state()
         after_first_step.clear()
+        attends.update(forward=0, backward=0)
         sys.argv = [f"{script}.py", *argv]  # as in a run of its own (a checkpoint names the script that wrote it)
         scripts[script].main(argv)
+        rank = os.environ.get("RANK", "0")
+        if "--out_dir" in argv:
+            with open(os.path.join(argv[argv.index("--out_dir") + 1], f"attend_rank{rank}.json"), "w") as f:
+                json.dump(attends, f)
         if "--out_dir" in argv and after_first_step:
-            name = f"dynamo_rank{os.environ.get('RANK', '0')}.json"
-            with open(os.path.join(argv[argv.index("--out_dir") + 1], name), "w") as f:
+            with open(os.path.join(argv[argv.index("--out_dir") + 1], f"dynamo_rank{rank}.json"), "w") as f:
                 json.dump(dict(after_first_step=after_first_step[0], end=counted()), f)
     teardown()

@@ -22,7 +22,8 @@ import re
 import pytest
 import torch
 
-from conftest import PARITY, PARITY_EVAL_ITERS, PARITY_STEPS, REPO, peer_needs, run_record, runs_here
+from conftest import (ONE_PROCESS_THREADS, PARITY, PARITY_EVAL_ITERS, PARITY_STEPS, REPO, finite, paired, peer_needs,
+                      run_record, runs_here, worst)
 from common.data import get_batch
 from common.model import GPT, GPTConfig
 
@@ -154,8 +155,19 @@ def row_id(script, implementation, nproc, extra):
 def plain_pytorch_run(steps=STEPS, lr_max=1e-3, lr_min=1e-4, warmup=5, seed=1337,
                       n_layer=2, n_head=4, n_embd=64, batch_size=8, block_size=32, n_experts=0, top_k=0):
     """The textbook loop, independent of every strategy script and of common.config: run_record's dict of its
-    losses, pre-clip grad norms and evaluations (before the first step and after the last, as nanoGPT's)."""
-    torch.set_num_threads(2)
+    losses, pre-clip grad norms and evaluations (before the first step and after the last, as nanoGPT's), on the
+    one-process reference's threads (ONE_PROCESS_THREADS), the pytest process's own put back after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(ONE_PROCESS_THREADS)
+    try:
+        return _plain_pytorch_run(steps, lr_max, lr_min, warmup, seed, n_layer, n_head, n_embd, batch_size, block_size,
+                                  n_experts, top_k)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _plain_pytorch_run(steps, lr_max, lr_min, warmup, seed, n_layer, n_head, n_embd, batch_size, block_size,
+                       n_experts, top_k):
     config = GPTConfig(block_size=block_size, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                        dropout=0.0, bias=True, n_experts=n_experts, top_k=top_k,
                        expert_hidden=4 * n_embd // top_k if n_experts else 0)  # a mixture of experts: k of E
@@ -224,20 +236,30 @@ def references(shared_run):
         if key not in cache:
             ref = run_record(shared_run("ddp_train.py", None, FLAGS + list(key))[0])
             sizes = {flag[2:]: int(value) for flag, value in zip(key[::2], key[1::2])}
-            cache[key] = ref, plain_pytorch_run(**sizes)
+            plain = plain_pytorch_run(**sizes)
+            for name, run in (("reference", ref), ("plain loop", plain)):  # every model shape, MoE included
+                assert len(run["loss"]) == len(run["grad_norm"]) == STEPS, (name, key, run)
+                assert [e[0] for e in run["eval"]] == [0, STEPS], (name, key, run["eval"])
+            dloss, dnorm = differences(ref, plain)  # and finite: a NaN anywhere fails it
+            assert dloss <= TOL and dnorm <= NORM_TOL, ("reference vs plain loop", key, dloss, dnorm)
+            cache[key] = ref, plain
         return cache[key]
     return get
 
 
-def differences(run, ref, first=0):
+def differences(run, ref, first=0, last=None):
     """The largest |dloss| (steps and evaluations alike) and relative dnorm of a run against ref (run_record
-    dicts), the run's steps being ref's from `first` on (a resumed run's), its evaluations compared where ref has
-    one at the same step."""
-    losses = list(zip(run["loss"], ref["loss"][first:]))
+    dicts), the run's steps being ref's steps first..last-1 (a resumed run's from `first`; `last`: ref's end), each of
+    its evaluations compared with ref's at the same step, which must exist. Any NaN or inf on either side fails, and
+    so does a run and a reference of different lengths."""
     ref_evals = {step: theirs for step, *theirs in ref["eval"]}
-    losses += [pair for step, *mine in run["eval"] if step in ref_evals for pair in zip(mine, ref_evals[step])]
-    norms = zip(run["grad_norm"], ref["grad_norm"][first:])
-    return max(abs(a - b) for a, b in losses), max(abs(a - b) / abs(b) for a, b in norms)
+    missing = [step for step, *_ in run["eval"] if step not in ref_evals]
+    assert not missing, f"the reference has no evaluation at steps {missing}: {ref['eval']}"
+    losses = paired(run["loss"], ref["loss"][first:last], "loss")
+    for step, *mine in run["eval"]:
+        losses += paired(mine, ref_evals[step], f"evaluation at step {step}")
+    norms = paired(run["grad_norm"], ref["grad_norm"][first:last], "grad_norm")
+    return worst(abs(a - b) for a, b in losses), worst(abs(a - b) / abs(b) for a, b in norms)
 
 
 def check(name, run, reference, plain, tol=TOL, norm_tol=NORM_TOL, first=0, steps=STEPS):
@@ -247,8 +269,8 @@ def check(name, run, reference, plain, tol=TOL, norm_tol=NORM_TOL, first=0, step
     assert len(run["loss"]) == len(run["grad_norm"]) == steps - first, (name, run)
     evals = ([first] if first % STEPS == 0 else []) + [steps]  # --eval_interval STEPS, and at the end
     assert [e[0] for e in run["eval"]] == evals, (name, run["eval"])
-    dloss_ref, dnorm_ref = differences(run, reference, first)
-    dloss_plain, dnorm_plain = differences(run, plain, first)
+    dloss_ref, dnorm_ref = differences(run, reference, first, steps)
+    dloss_plain, dnorm_plain = differences(run, plain, first, steps)
     record(name, {"max_abs_dloss_vs_reference": dloss_ref, "max_abs_dloss_vs_plain": dloss_plain,
                   "max_rel_dnorm_vs_reference": dnorm_ref, "max_rel_dnorm_vs_plain": dnorm_plain})
     assert dloss_ref <= tol and dloss_plain <= tol, (name, run, reference)
@@ -315,6 +337,30 @@ def test_reference_equals_plain_pytorch(references):
     assert min(plain["grad_norm"]) > 1.0, "every step clips (the test's premise)"
 
 
+def test_check_fails_on_any_nan_a_short_reference_or_a_missing_evaluation(monkeypatch):
+    """check() without a launch: a run equal to its reference at step 0 and NaN (or inf) after it, in its losses,
+    grad norms or evaluations, fails; so does a reference cut short, or without the run's evaluation. Python's max
+    keeps a NaN only when it comes first, and zip stops at the shorter list: each passed before."""
+    monkeypatch.setattr(__import__(__name__), "record", lambda name, deltas: None)  # not in out/parity.jsonl
+    ref = dict(loss=[10.0 - 0.1 * s for s in range(STEPS)], grad_norm=[3.0 - 0.1 * s for s in range(STEPS)],
+               eval=[(0, 10.9, 10.95), (STEPS, 9.0, 9.1)])
+    check("whole", ref, ref, ref)
+    nan, inf = float("nan"), float("inf")
+    runs = {"loss": dict(ref, loss=ref["loss"][:1] + [nan] * (STEPS - 1)),
+            "grad_norm": dict(ref, grad_norm=ref["grad_norm"][:1] + [nan] * (STEPS - 1)),
+            "evaluation": dict(ref, eval=[ref["eval"][0], (STEPS, nan, nan)]),
+            "inf": dict(ref, loss=ref["loss"][:-1] + [inf])}
+    for what, run in runs.items():
+        with pytest.raises(AssertionError, match="non-finite"):
+            check(f"nan {what}", run, ref, ref)
+        with pytest.raises(AssertionError, match="non-finite"):  # the reference's own NaN
+            check(f"nan reference {what}", ref, run, ref)
+    with pytest.raises(AssertionError, match="against the reference's"):
+        check("short reference", ref, dict(ref, loss=ref["loss"][:-1]), ref)
+    with pytest.raises(AssertionError, match="no evaluation"):
+        check("no reference evaluation", ref, dict(ref, eval=ref["eval"][:1]), ref)
+
+
 def launch_group(nproc, as_user=False):
     """Every run of this file at nproc ranks under one launcher (tests/user_torch.py or tests/runs.py) that this torch
     runs, every script's, as (script, args): one launch. The parity rows; under runs.py also the activation-
@@ -357,20 +403,55 @@ def test_tp_overlap_equals_plain_tp(nproc, extra, shared_run):
         as_user = (script, "custom", nproc, tuple(extra)) in AS_USERS_TORCH
         runs[script] = run_record(shared_run(script, nproc, flags + extra, as_user)[0])
     overlapped, reference = runs["tp_overlap_train.py"], runs["tp_train.py"]
-    delta = max(abs(a - b) / abs(b) for a, b in zip(overlapped["loss"], reference["loss"]))
+    delta = worst(abs(a - b) / abs(b) for a, b in paired(overlapped["loss"], reference["loss"], "loss"))
     _, dnorm = differences(overlapped, reference)
     record(f"tp-overlap-{nproc}r{''.join(extra)} vs plain", {"max_rel_dloss": delta, "max_rel_dnorm": dnorm})
     assert len(overlapped["loss"]) == len(reference["loss"]) == STEPS
     assert delta <= OVERLAP_TOL and dnorm <= NORM_TOL, (overlapped, reference)
 
 
+# A run batched with others in one process (tests/runs.py, tests/user_torch.py) equals the same run alone: each launcher
+# resets what a run sets (tests/runs.py's fresh_run_state). Each row below runs alone, in a launch of its own, for its
+# first STANDALONE_STEPS steps (--lr_decay_iters pins the schedule, so they are its batched run's first steps): its
+# losses, grad norms and first evaluation must be the batched row's, bit for bit. Both implementations, 2 and 4
+# ranks, both launchers, and a compiled row that runs last of every 2-rank run, compiled ones included.
+STANDALONE_STEPS = 3
+STANDALONE = [("ddp_train.py", "custom", 2, ["--compile"]),
+              ("fsdp_train.py", "pytorch", 2, ["--grad_accum_steps", "2", "--reshard_after_forward", "false"]),
+              ("tp_train.py", "custom", 4, ["--tensor_parallel_size", "4", "--sequence_parallel"]),
+              ("tp_train.py", "pytorch", 4, ["--tensor_parallel_size", "2", "--sequence_parallel", "--grad_accum_steps",
+                                             "2"])]  # under tests/user_torch.py, with DTensor's caches
+
+
+@pytest.mark.parametrize("script,implementation,nproc,extra", STANDALONE, ids=[row_id(*row) for row in STANDALONE])
+def test_a_batched_run_equals_the_same_run_alone(script, implementation, nproc, extra, shared_run, tmp_path):
+    from conftest import launch, launch_as_user
+    as_user = (script, implementation, nproc, tuple(extra)) in AS_USERS_TORCH
+    shared_run.batch(nproc, launch_group(nproc, as_user), as_user)
+    batched = run_record(shared_run(script, nproc, FLAGS + ["--implementation", implementation] + extra, as_user)[0])
+    args = PARITY + ["--max_iters", str(STANDALONE_STEPS), "--lr_decay_iters", str(STEPS),
+                     "--implementation", implementation, *extra, "--out_dir", str(tmp_path)]
+    if as_user:
+        launch_as_user(script, nproc, args)
+    else:
+        result = launch(script, nproc, args, torchrun=False)
+        assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    alone = run_record(tmp_path)
+    assert [e[0] for e in alone["eval"]] == [0, STANDALONE_STEPS], alone["eval"]
+    finite(alone["loss"] + alone["grad_norm"] + list(alone["eval"][0]), "alone")
+    assert alone["loss"] == batched["loss"][:STANDALONE_STEPS], (alone, batched)
+    assert alone["grad_norm"] == batched["grad_norm"][:STANDALONE_STEPS], (alone, batched)
+    assert alone["eval"][0] == batched["eval"][0], (alone["eval"], batched["eval"])
+
+
 # --activation_checkpointing: each row runs the script's main() once per (implementation, dropout, extra flags)
 # variant and mode, in the launch of its rank count (launch_group). full and selective recompute what none keeps, with
-# the same random numbers: their losses and grad norms must be none's, bit for bit, and the saved-activation
-# meter must show that they kept less (the proof that the mode ran): full always; selective with dropout, where
-# SDPA's math path keeps the T x T probabilities and mask (without, the fused kernel keeps only its B*nh*T
-# log-sum-exp, which the meter's count of FSDP's gathered buffers can hide). PyTorch's pipeline has no meter (its
-# schedule runs every micro-batch in one call). Every script at 2 ranks, custom and
+# the same random numbers: their losses, grad norms and evaluations must be none's, bit for bit. The proof that the
+# mode ran, in every run: tests/runs.py's count of attention cores run again in backward (none: 0 on every rank;
+# full and selective: some on every rank); and the saved-activation meter shows that they kept less: full always;
+# selective with dropout, where SDPA's math path keeps the T x T probabilities and mask (without, the fused kernel
+# keeps only its B*nh*T log-sum-exp, which the meter's count of FSDP's gathered buffers can hide). PyTorch's pipeline
+# has no meter (its schedule runs every micro-batch in one call). Every script at 2 ranks, custom and
 # pytorch (cp: custom, its peer needs CUDA), dropout 0 and 0.1 (cp's ring: 0, its only one); TP+SP (DP 2 x
 # TP 2) and the interleaved pipeline (4 ranks x 2 chunks) at 4 ranks.
 AC_STEPS = 3
@@ -403,6 +484,11 @@ def kept_bytes(summary):
     return values and sum(values)
 
 
+def attend_counts(out_dir, nproc):
+    """Each rank's attention-core calls in the run, forward and in backward (tests/runs.py counts them)."""
+    return [json.load(open(os.path.join(out_dir, f"attend_rank{rank}.json"))) for rank in range(nproc)]
+
+
 def ac_runs(variants):
     """{(implementation, dropout, extra, mode): the run's args} of an AC_ROWS row: every mode of each variant (a
     compiled variant: none only)."""
@@ -425,26 +511,32 @@ def test_activation_checkpointing_is_bit_identical(script, nproc, variants, refe
         if "--compile" in name[2]:
             check_compiled(script, nproc, out_dir, dropout=name[1] > 0)
         rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
-        steps = [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
-        assert len(steps) == AC_STEPS, name
-        records[name] = steps, kept_bytes(next(r for r in rows if r.get("summary")))
+        run = run_record(out_dir)
+        assert len(run["loss"]) == len(run["grad_norm"]) == AC_STEPS, name
+        assert [e[0] for e in run["eval"]] == [0, AC_STEPS], (name, run["eval"])
+        finite(run["loss"] + run["grad_norm"] + [x for e in run["eval"] for x in e], name)
+        records[name] = run, kept_bytes(next(r for r in rows if r.get("summary"))), attend_counts(out_dir, nproc)
     for implementation, dropout, extra in variants:
-        none, none_bytes = records[(implementation, dropout, tuple(extra), "none")]
+        none, none_bytes, none_attends = records[(implementation, dropout, tuple(extra), "none")]
         if "--compile" in extra:  # compiled (fallback_random): eager's dropout masks, so eager's losses and norms
-            eager, _ = records[(implementation, dropout, tuple(extra[:-2]), "none")]
-            delta = max(abs(a - b) for step, ref in zip(none, eager) for a, b in zip(step, ref))
+            eager, _, _ = records[(implementation, dropout, tuple(extra[:-2]), "none")]
+            delta = worst(abs(a - b) for key in ("loss", "grad_norm") for a, b in paired(none[key], eager[key], key))
             record(f"activation-checkpointing-{script[:-9]}-{nproc}r-compiled vs eager", {"max_abs_delta": delta})
             assert delta <= COMPILE_TOL
             continue
+        # the proof that each mode ran, on every rank: none recomputes nothing; full and selective run attention
+        # cores again in backward, at most once each (the custom pipeline, PyTorch's, zero bubble's B alike; a
+        # pipeline's forward count also holds one micro-batch run outside the steps, hence not equal)
+        assert all(n["backward"] == 0 < n["forward"] for n in none_attends), (implementation, extra, none_attends)
         for mode in ("full", "selective"):
-            steps, kept = records[(implementation, dropout, tuple(extra), mode)]
-            assert steps == none, (implementation, dropout, extra, mode, steps, none)
+            run, kept, attends = records[(implementation, dropout, tuple(extra), mode)]
+            assert run == none, (implementation, dropout, extra, mode, run, none)  # evaluations included
+            assert all(0 < n["backward"] <= n["forward"] for n in attends), (implementation, extra, mode, attends)
             if none_bytes is not None and (mode == "full" or dropout > 0):
                 assert kept < none_bytes, (implementation, dropout, extra, mode, kept, none_bytes)
-        if dropout == 0.0:  # and none equals single-process training, losses and grad norms
+        if dropout == 0.0:  # and none equals single-process training: losses, grad norms, the evaluation at 0
             reference, _ = references(extra)
-            dloss, dnorm = differences(dict(loss=[l for l, _ in none], grad_norm=[n for _, n in none], eval=[]),
-                                       reference)
+            dloss, dnorm = differences(dict(none, eval=none["eval"][:1]), reference, last=AC_STEPS)
             assert dloss <= TOL and dnorm <= NORM_TOL, (implementation, extra, dloss, dnorm)
     record(f"activation-checkpointing-{script[:-9]}-{nproc}r", {"runs": len(runs), "bit_identical": True})
 

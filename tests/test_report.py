@@ -60,6 +60,22 @@ def test_smoke_compares_grad_norms_and_evaluations(tmp_path, capsys):
     assert out.count("DIVERGED") == 3 and "FAILED: fsdp-custom, pp-custom, tp-custom" in out
 
 
+def test_smoke_fails_on_a_nan_after_the_first_step_on_either_side(tmp_path, capsys):
+    nan = float("nan")
+    evals = [(0, 10.0, 10.1), (3, 9.0, 9.2)]
+    fake_run(tmp_path, "reference", [10.0, 9.5, 9.2], norms=[3.0, 2.5, 2.0], evals=evals)
+    fake_run(tmp_path, "ddp-custom", [10.0, nan, nan], norms=[3.0, nan, nan], evals=[(0, 10.0, 10.1), (3, nan, nan)])
+    fake_run(tmp_path, "fsdp-custom", [10.0, 9.5, 9.2], norms=[3.0, 2.5, float("inf")], evals=evals)
+    assert report.smoke(str(tmp_path)) == 1
+    assert "FAILED: ddp-custom, fsdp-custom" in capsys.readouterr().out
+    shutil.rmtree(tmp_path / "ddp-custom"), shutil.rmtree(tmp_path / "fsdp-custom")
+    fake_run(tmp_path, "tp-custom", [10.0, 9.5, 9.2], norms=[3.0, 2.5, 2.0], evals=evals)
+    assert report.smoke(str(tmp_path)) == 0  # the same run, finite, passes
+    shutil.rmtree(tmp_path / "reference")
+    fake_run(tmp_path, "reference", [10.0, nan, 9.2], norms=[3.0, 2.5, 2.0], evals=evals)  # the reference's own
+    assert report.smoke(str(tmp_path)) == 1
+
+
 def test_bench_ratios_use_the_median_of_alternating_rounds(tmp_path, capsys):
     rounds = [(110, 100, 100), (90, 100, 100), (130, 100, 120)] + [(100, 100, 100)] * 7
     for r, (custom, pytorch, limit) in enumerate(rounds, 1):  # rounds 1 to 10: round 10 sorts after round 9

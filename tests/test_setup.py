@@ -71,7 +71,8 @@ def test_dtype_follows_the_device(device, gpu, flags, expected, monkeypatch):
 
 
 def test_every_cpu_run_here_keeps_fp32():
-    """No fake: this machine's CPU runs, every test's, default to float32 (their losses unchanged)."""
+    """No fake: every test's runs, on any machine (conftest hides its GPUs), default to float32 (their losses
+    unchanged)."""
     assert not torch.cuda.is_available() and parse_args("ddp", None, TINY).dtype == "float32"
 
 

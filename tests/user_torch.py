@@ -127,7 +127,10 @@ else:  # several runs, as tests/runs.py's (a run may start with another script's
         if argv[0].endswith("_train.py"):
             script, argv[:] = argv[0], argv[1:]
         scripts.append(importlib.import_module(os.path.basename(script)[:-3]))
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # tests/, after the scripts' narrowed imports
+    from runs import fresh_run_state
     for module, argv in zip(scripts, runs):
+        fresh_run_state()  # what an earlier run set, as a fresh process has it (tests/runs.py)
         before = record["adamw_multi_tensor_steps"]
         sys.argv = [f"{module.__name__}.py", *argv]  # as in a run of its own (tests/runs.py)
         module.main(argv)
