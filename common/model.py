@@ -107,12 +107,17 @@ class Expert(nn.Module):
 
 
 def route(probs, k):
-    """Each token's k likeliest experts and their gates, renormalised to sum to 1. Ties go to the
-    lower expert index: a stable sort keeps equal probabilities in index order (topk's tie order
-    is unspecified). probs (..., E) fp32 -> gates (..., k) fp32, experts (..., k) int64."""
+    """Each token's k likeliest experts and their gates: at k >= 2 their probabilities renormalised
+    to sum to 1; at k = 1 the probability itself, as Switch Transformer's top-1 (renormalised, the
+    one gate would be 1, a constant: the router would learn nothing from the language-model loss).
+    Ties go to the lower expert index: a stable sort keeps equal probabilities in index order
+    (topk's tie order is unspecified). probs (..., E) fp32 -> gates (..., k) fp32, experts (..., k)
+    int64."""
     top, experts = probs.sort(dim=-1, descending=True, stable=True)
     gates = top[..., :k]
-    return gates / gates.sum(dim=-1, keepdim=True), experts[..., :k].contiguous()
+    if k > 1:
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+    return gates, experts[..., :k].contiguous()
 
 
 def load_balance_loss(probs, experts):
@@ -163,11 +168,11 @@ def combine(out, order, gates):
 
 
 class MoE(nn.Module):
-    """In place of the MLP: a router (a linear layer, softmax over all E experts in fp32, bf16 runs
-    included) picks k experts a token, each token's row goes to its k experts, and their outputs
-    come back weighted by the gates. Dropless: every token reaches its k experts, however many
-    choose the same one; no capacity factor. The experts are a ModuleDict keyed by index, so a
-    shard of them (ep_train.py) keeps the names, and the init, of the full model. The
+    """In place of the MLP: a router (a linear layer and a softmax over all E experts, both in fp32,
+    bf16 runs included) picks k experts a token, each token's row goes to its k experts, and their
+    outputs come back weighted by the gates (route). Dropless: every token reaches its k experts,
+    however many choose the same one; no capacity factor. The experts are a ModuleDict keyed by
+    index, so a shard of them (ep_train.py) keeps the names, and the init, of the full model. The
     load-balancing loss of the last forward is in `aux_loss`.
 
     `dispatch_combine` moves the rows to the experts and back. Here every expert is local;
@@ -183,7 +188,11 @@ class MoE(nn.Module):
 
     def forward(self, x):
         B, T, C = x.size()
-        probs = F.softmax(self.router(x).float(), dim=-1)  # (B, T, E)
+        # The logits from an fp32 matmul, as Megatron and torchtitan compute them: in bf16 their
+        # rounding would decide between close experts. In fp32 runs .float() returns x itself: no
+        # copy.
+        with torch.autocast(x.device.type, enabled=False):
+            probs = F.softmax(self.router(x.float()), dim=-1)  # (B, T, E)
         gates, experts = route(probs, self.top_k)  # each (B, T, k)
         self.aux_loss = load_balance_loss(probs, experts)
         rows = x.view(B * T, C)  # (B, T, C) -> (B*T, C)

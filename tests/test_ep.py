@@ -1,12 +1,14 @@
 """ep_train.py and the mixture of experts in common/model.py: expert parallelism equals one process.
 
-The reference is one process, `ddp_train.py --n_experts 4` (every expert local). The runs go through each script's
+The reference is one process, `ddp_train.py --n_experts 4` (every expert local); the MoE layer itself, one
+process's and EP 2's, is checked against one written here a token at a time. The runs go through each script's
 real main() in spawned gloo ranks, several runs a spawn (starting ranks is the slow part): one process (the
 references), 2 ranks (EP 2 and its torch DDP peer with accumulation, bf16, a forced router, a cut and its resume,
-and the strategy's pieces called directly), 4 ranks (EP 4 and EP 2 x DP 2 with accumulation). Tolerances are
-tests/test_parity.py's: TOL on every loss, aux loss and evaluation, NORM_TOL relative on the pre-clip grad norm;
-bf16 is compared with the fp32 reference at tests/test_bf16.py's TOL.
+activation checkpointing, and the strategy's pieces called directly), 4 ranks (EP 4 and EP 2 x DP 2 with
+accumulation). Tolerances are tests/test_parity.py's: TOL on every loss, aux loss and evaluation, NORM_TOL relative
+on the pre-clip grad norm; bf16 is compared with the fp32 reference at tests/test_bf16.py's TOL.
 """
+import copy
 import os
 import time
 from types import SimpleNamespace
@@ -14,13 +16,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import common.model
 import ddp_train
 import ep_train
-from conftest import PARITY, TINY, read_metrics, refusal, spawn
+from conftest import PARITY, TINY, paired, read_metrics, refusal, spawn, worst
 from common.config import gpt_config, parse_args
 from common.data import get_batch
+from common.distributed import autocast
 from common.metrics import model_state_bytes
 from common.model import GPT, GPTConfig, MoE, load_balance_loss, route
 from ep_train import EP, ExpertParallel, add_ep_flags
@@ -31,14 +35,17 @@ MOE = ["--n_experts", "4", "--top_k", "2"]
 FLAGS = PARITY + MOE + ["--max_iters", str(STEPS)]
 ACCUM = ["--grad_accum_steps", "2"]
 SHORTER = ["--max_iters", str(SHORT), "--lr_decay_iters", str(STEPS), "--eval_interval", "0"]
+AC_STEPS = 2  # activation checkpointing's runs: a step, and one on the weights it updated
+AC = ACCUM + ["--max_iters", str(AC_STEPS), "--lr_decay_iters", str(STEPS), "--eval_interval", "0"]
+FULL, DROPOUT = ["--activation_checkpointing", "full"], ["--dropout", "0.1"]
 
 
 def forced_route(probs, k):
-    """Every token to experts 0..k-1 (all on EP rank 0 at E = 4, EP = 2), with their renormalised gates: the router
-    still learns through them."""
+    """Every token to experts 0..k-1 (all on EP rank 0 at E = 4, EP = 2), with gates as route gives them (renormalised
+    from k = 2, the probability itself at k = 1): the router still learns through them."""
     gates = probs[..., :k]
     experts = torch.arange(k).expand(gates.shape).contiguous()
-    return gates / gates.sum(dim=-1, keepdim=True), experts
+    return gates / gates.sum(dim=-1, keepdim=True) if k > 1 else gates, experts
 
 
 def _main(script, argv, forced=False):
@@ -68,7 +75,8 @@ def _runs(rank, world_size, runs, checks=False):
         os.environ[key] = str(value)
     out = {"rows": [_main(*run) for run in runs]}
     if checks:
-        out.update(identity=_identity(rank, world_size), ledger=_ledger(rank, world_size))
+        out.update(identity=_identity(rank, world_size), ledger=_ledger(rank, world_size),
+                   per_token=_per_token_ep(rank, world_size))
     return out
 
 
@@ -84,7 +92,11 @@ def runs(tmp_path_factory):
             ("ep2-bf16", "ep", SHORTER + ["--dtype", "bfloat16"], False), ("ep2-forced", "ep", SHORTER, True),
             ("ep2-pytorch-forced", "ep", SHORTER + ["--implementation", "pytorch"], True),
             ("ep2-cut", "ep", ACCUM + ["--max_iters", str(CUT), "--lr_decay_iters", str(STEPS)], False),
-            ("ep2-resumed", "ep", ACCUM + SHORTER + cut, False)],
+            ("ep2-resumed", "ep", ACCUM + SHORTER + cut, False), ("ep2-ac", "ep", AC + FULL, False),
+            ("ep2-dropout", "ep", AC + DROPOUT, False), ("ep2-dropout-ac", "ep", AC + DROPOUT + FULL, False),
+            ("ep2-dropout-selective", "ep", AC + DROPOUT + ["--activation_checkpointing", "selective"], False),
+            ("ep2-pytorch-dropout", "ep", AC + DROPOUT + ["--implementation", "pytorch"], False),
+            ("ep2-pytorch-dropout-ac", "ep", AC + DROPOUT + FULL + ["--implementation", "pytorch"], False)],
         4: [("ep4", "ep", ACCUM, False), ("ep2xdp2", "ep", ACCUM + ["--data_parallel_size", "2"], False)],
     }
     found = {}
@@ -108,14 +120,16 @@ def record(out_dir):
                                                             for r in rows if "val_loss" in r})
 
 
-def differences(run, ref, first=0):
-    """The largest |dloss| over losses, aux losses and evaluations, and the largest relative |dnorm|."""
-    pairs = list(zip(run["loss"], ref["loss"][first:])) + list(zip(run["aux"], ref["aux"][first:]))
+def differences(run, ref, first=0, last=None):
+    """The largest |dloss| over losses, aux losses and evaluations, and the largest relative |dnorm|: the run's steps
+    being ref's first..last-1 (`last`: ref's end), as many, each evaluation compared with ref's at its step, which must
+    exist; a NaN or inf on either side fails (conftest.paired, worst)."""
+    pairs = paired(run["loss"], ref["loss"][first:last], "loss") + paired(run["aux"], ref["aux"][first:last], "aux")
     for step, mine in run["eval"].items():
-        if step in ref["eval"]:
-            pairs += zip(mine, ref["eval"][step])
-    norms = zip(run["norm"], ref["norm"][first:])
-    return max(abs(a - b) for a, b in pairs), max(abs(a - b) / b for a, b in norms)
+        assert step in ref["eval"], f"the reference has no evaluation at step {step}: {sorted(ref['eval'])}"
+        pairs += paired(mine, ref["eval"][step], f"evaluation at step {step}")
+    norms = paired(run["norm"], ref["norm"][first:last], "grad_norm")
+    return worst(abs(a - b) for a, b in pairs), worst(abs(a - b) / b for a, b in norms)
 
 
 @pytest.mark.parametrize("name", ["ep2", "ep2-pytorch", "ep4", "ep2xdp2", "ep2-forced", "ep2-pytorch-forced"])
@@ -133,9 +147,21 @@ def test_parity_with_one_process(name, runs):
     assert min(reference["norm"]) > 1.0, "every step clips: a gradient off by a factor shows in its norm"
 
 
-def test_aux_loss_is_logged_before_its_coefficient_near_1_when_balanced(runs):
-    reference = record(runs["reference"][0])
-    assert all(0.95 < a < 1.2 for a in reference["aux"]), reference["aux"]  # E sum f P: 1 when balanced
+def test_aux_loss_is_logged_before_its_coefficient_as_e_sum_f_p(runs):
+    """Step 0's logged aux loss is E sum_i f_i P_i of each sequence, averaged over the sequences and the layers,
+    computed here from one process's router probabilities and choices for the same batch and initial weights. Not 1
+    by construction: the initial router is nearly uniform (P_i near 1/E), but the load is not balanced."""
+    E, k = 4, 2
+    routing, probs = _one_process_routing()
+    values = []
+    for experts, p in zip(routing, probs):  # per layer: (8, 32, k), (8, 32, E)
+        for s in range(p.size(0)):
+            f = torch.bincount(experts[s].flatten(), minlength=E) / (p.size(1) * k)
+            values.append(E * (f * p[s].mean(dim=0)).sum())
+    expected = torch.stack(values).mean().item()
+    logged = record(runs["reference"][0])["aux"][0]
+    print(f"aux at step 0: logged {logged:.6f}, E sum f P {expected:.6f}")
+    assert abs(logged - expected) <= TOL and abs(expected - 1) > 1000 * TOL
 
 
 def test_forced_router_sends_every_row_to_rank_0(runs):
@@ -146,16 +172,26 @@ def test_forced_router_sends_every_row_to_rank_0(runs):
     assert all(r == 8 * 32 * 2 for r in rank0) and set(rank1) == {0}  # B*T*k rows, all on rank 0
 
 
-def test_tokens_received_per_step_sum_to_b_t_k(runs):
-    """Summed over the micro-steps and ranks, the rows the experts of each layer compute in a step are B*T*k, and
-    routing spreads them (neither rank gets all)."""
-    B, T, k, layers, A = 8, 32, 2, 2, 2
+def test_each_rank_computes_the_rows_one_process_routes_to_its_experts(runs):
+    """At every MoE forward of step 0 (the initial weights, which one process routes as the run does), rank r's
+    experts compute the EP group's slots that one process's routing of the same batch sends to experts 2r and 2r+1;
+    over the run, routing spreads the rows (neither rank gets all)."""
+    routing, _ = _one_process_routing()
     per_rank = runs["ep2"][1]  # per rank: [micro-step 0 layer 0, layer 1, micro-step 1 layer 0, ...]
-    for step in range(STEPS):
-        mine = [rows[step * A * layers:(step + 1) * A * layers] for rows in per_rank]
-        for layer in range(layers):
-            assert sum(rows[layer::layers][j] for rows in mine for j in range(A)) == B * T * k
-    assert all(0 < sum(rows) < STEPS * layers * B * T * k for rows in per_rank)
+    for rank, rows in enumerate(per_rank):
+        assert len(rows) == STEPS * 2 * 2  # steps x micro-steps x layers
+        assert rows[:4] == received_at_step_0(routing, rank), (rank, rows[:4])
+    assert all(0 < sum(rows) < sum(map(sum, per_rank)) for rows in per_rank)
+
+
+def received_at_step_0(routing, rank):
+    """The rows EP 2's rank `rank` (experts 2r and 2r+1) computes at each MoE forward of step 0 (micro-step j of 2, then
+    layer), from one process's routing of the global batch (per layer (8, 32, k))."""
+    found = []
+    for j in range(2):  # micro-step j: rows [2j, 2j+2) of each rank's 4
+        rows = [s * 4 + 2 * j + i for s in range(2) for i in range(2)]  # both ranks' rows of it
+        found += [((experts[rows] // 2) == rank).sum().item() for experts in routing]
+    return found
 
 
 def test_bf16_tracks_fp32(runs):
@@ -163,7 +199,8 @@ def test_bf16_tracks_fp32(runs):
     fp32."""
     fp32, run = record(runs["reference"][0]), record(runs["ep2-bf16"][0])
     assert len(run["loss"]) == SHORT
-    dloss = max(abs(a - b) for a, b in zip(run["loss"] + run["aux"], fp32["loss"][:SHORT] + fp32["aux"][:SHORT]))
+    dloss = worst(abs(a - b) for a, b in paired(run["loss"] + run["aux"], fp32["loss"][:SHORT] + fp32["aux"][:SHORT],
+                                                "bf16 losses and aux losses"))
     print(f"ep2 bf16: max |dloss| against fp32 {dloss:.2e}")
     assert dloss <= BF16_TOL
 
@@ -180,8 +217,27 @@ def test_resume_is_bit_exact_and_the_checkpoint_is_one_process_layout(runs):
     assert (config.n_experts, config.top_k, config.expert_hidden) == (4, 2, 128)
     assert set(ckpt["model"]) == set(GPT(config, device="meta").state_dict())
     assert set(ckpt["optimizer"]) == {n for n, _ in GPT(config, device="meta").named_parameters()}
-    dloss, dnorm = differences(record(runs["ddp-resumed"][0]), record(runs["reference"][0]), first=CUT)
+    dloss, dnorm = differences(record(runs["ddp-resumed"][0]), record(runs["reference"][0]), first=CUT, last=SHORT)
     assert dloss <= TOL and dnorm <= NORM_TOL
+
+
+def test_activation_checkpointing_is_bit_identical(runs):
+    """--activation_checkpointing full runs each block again in backward, its all-to-alls with it: losses, aux losses
+    and grad norms equal those of the run without, bit for bit (dropout 0: ep2's first steps; dropout 0.1: the masks
+    drawn again are the same), custom and torch DDP; so does selective (custom, dropout 0.1). The custom full runs'
+    experts ran twice a layer and micro-step: forward, then the recompute in backward (layer 1 first)."""
+    def steps(name, last=AC_STEPS):
+        found = record(runs[name][0])
+        return [found[key][:last] for key in ("loss", "aux", "norm")]
+
+    assert steps("ep2-ac") == steps("ep2") and len(steps("ep2-ac", None)[0]) == AC_STEPS
+    assert steps("ep2-dropout-ac") == steps("ep2-dropout-selective") == steps("ep2-dropout") != steps("ep2-ac")
+    assert steps("ep2-pytorch-dropout-ac") == steps("ep2-pytorch-dropout")
+    assert runs["ep2-dropout-selective"][1] == runs["ep2-dropout"][1]  # selective recomputes attention only
+    for name, plain in (("ep2-ac", "ep2"), ("ep2-dropout-ac", "ep2-dropout")):
+        for rows, once in zip(runs[name][1], runs[plain][1]):
+            forward = once[:AC_STEPS * 2 * 2]  # per micro-step: layer 0, layer 1
+            assert rows == [n for j in range(0, len(forward), 2) for n in forward[j:j + 2] + forward[j:j + 2][::-1]]
 
 
 def test_sample_reads_a_mixture_of_experts_checkpoint(runs, capsys):
@@ -221,64 +277,74 @@ def _ledger(rank, world_size):
         args = parse_args("ep", add_ep_flags, TINY + MOE + ACCUM + ["--dtype", dtype])
         strategy = EP(gpt_config(args), args, torch.device("cpu"))
         optimizer = strategy.configure_optimizer(args)
-        sent, original = [], dist.all_to_all_single
+        sent, chosen, original, original_route = [], [], dist.all_to_all_single, common.model.route
 
         def counting(output, input, *a, **kw):
             sent.append((input.numel() * input.element_size(), str(input.dtype)))
             return original(output, input, *a, **kw)
 
-        dist.all_to_all_single = counting
+        def recording(probs, k):
+            gates, experts = original_route(probs, k)
+            chosen.append(experts)
+            return gates, experts
+
+        dist.all_to_all_single, common.model.route = counting, recording
         try:
             x, y = get_batch("train", 0, 8, 32, 1337)
             mine = slice(rank * 4, rank * 4 + 4)
             for j in range(2):
                 strategy.forward_backward(x[mine][2 * j:2 * j + 2], y[mine][2 * j:2 * j + 2], sync=j == 1)
         finally:
-            dist.all_to_all_single = original
+            dist.all_to_all_single, common.model.route = original, original_route
         optimizer.step()
         experts = {n: p.numel() for n, p in strategy.model.named_parameters() if ".experts." in n}
         state = {n: sorted(optimizer.state[p]) for n, p in strategy.model.named_parameters() if ".experts." in n}
-        found[dtype] = sent, experts, state, model_state_bytes(optimizer)
+        found[dtype] = sent, experts, state, model_state_bytes(optimizer), chosen
     return found
 
 
-def _one_process_routing():
-    """Each layer's experts (B, T, k) for the global batch of step 0 in one process (common.model.route recorded)."""
-    args = parse_args("ddp", None, TINY + MOE)
+def _one_process_routing(dtype="float32"):
+    """Each layer's experts (B, T, k) and router probabilities (B, T, E) for the global batch of step 0 in one process
+    computing in `dtype` (common.model.route recorded): the runs' initial weights (seed 1337) and first batch."""
+    args = parse_args("ddp", None, TINY + MOE + ["--dtype", dtype])
     model = GPT(gpt_config(args), seed=args.seed)
-    chosen, original = [], common.model.route
+    chosen, probabilities, original = [], [], common.model.route
 
     def recording(probs, k):
         gates, experts = original(probs, k)
         chosen.append(experts)
+        probabilities.append(probs.detach())
         return gates, experts
 
     common.model.route = recording
     try:
-        model(*get_batch("train", 0, 8, 32, 1337))
+        with autocast(args, torch.device("cpu")):
+            model(*get_batch("train", 0, 8, 32, 1337))
     finally:
         common.model.route = original
-    return chosen
+    return chosen, probabilities
 
 
 def test_all_to_all_bytes_match_the_formula(runs):
     """Per MoE layer and micro-step a rank hands all_to_all_single 8E bytes of counts, then 2 (N k + R) C s bytes of
     rows (forward: its N k slots out, its experts' R rows back; backward: the same, swapped), s = 2 in bf16: R from
-    one process's routing of the same batch."""
+    one process's routing of the same batch in the same dtype, and each call's bytes in the order the calls come.
+    Each rank's routing is one process's, token for token (bf16's differs from fp32's: its residual stream does)."""
     E, C, k, micro, T = 4, 64, 2, 2, 32
-    routing = _one_process_routing()  # per layer (8, 32, 2)
-    for rank, r in enumerate(runs["checks2"]):
-        for dtype, size in (("float32", 4), ("bfloat16", 2)):
-            sent, _, _, _ = r["ledger"][dtype]
-            expected = 0
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        routing, _ = _one_process_routing(dtype)  # per layer (8, 32, 2)
+        for rank, r in enumerate(runs["checks2"]):
+            sent, _, _, _, chosen = r["ledger"][dtype]
+            out = micro * T * k * C * size  # the N k slots out (forward), their gradients back (backward)
+            expected = []
             for j in range(2):  # micro-step j: rows [2j, 2j+2) of each rank's 4
-                rows = [s * 4 + 2 * j + i for s in range(2) for i in range(2)]  # both ranks' rows of it
-                for experts in routing:
-                    received = ((experts[rows] // 2) == rank).sum().item()  # experts 2r, 2r+1 are rank r's
-                    expected += 8 * E + 2 * (micro * T * k + received) * C * size
-            assert sum(b for b, _ in sent) == expected, (rank, dtype)
-            assert len(sent) == 2 * 2 * 5  # micro-steps x layers x (counts, 2 forward, 2 backward)
+                first, second = (R * C * size for R in received_at_step_0(routing, rank)[2 * j:2 * j + 2])
+                expected += [8 * E, out, first, 8 * E, out, second]  # forward, layer 0 then 1: counts, out, back
+                expected += [out, second, out, first]  # backward, layer 1 then 0: gradients of back, then of out
+            assert [b for b, _ in sent] == expected, (rank, dtype)
             assert {d for _, d in sent} == {"torch.int64", f"torch.{dtype}"}
+            mine = [routing[layer][rank * 4 + 2 * j:rank * 4 + 2 * j + 2] for j in range(2) for layer in range(2)]
+            assert all(torch.equal(a, b) for a, b in zip(chosen, mine, strict=True)), (rank, dtype)
 
 
 def test_each_rank_holds_its_experts_and_their_adamw_state_only(runs):
@@ -288,7 +354,7 @@ def test_each_rank_holds_its_experts_and_their_adamw_state_only(runs):
     dense_numel = sum(v for n, v in full.items() if ".experts." not in n)
     held = []
     for rank, r in enumerate(runs["checks2"]):
-        _, experts, state, state_bytes = r["ledger"]["float32"]
+        _, experts, state, state_bytes, _ = r["ledger"]["float32"]
         assert {n.split(".experts.")[1].split(".")[0] for n in experts} == {str(2 * rank), str(2 * rank + 1)}
         assert all(full[n] == v for n, v in experts.items()) and sum(experts.values()) == expert_numel // 2
         assert all(s == ["exp_avg", "exp_avg_sq", "step"] for s in state.values()) and state.keys() == experts.keys()
@@ -300,11 +366,15 @@ def test_each_rank_holds_its_experts_and_their_adamw_state_only(runs):
 
 # ---- the model's routing, in one process ----------------------------------------------------------------------
 
-def test_route_breaks_ties_to_the_lower_expert_and_renormalises():
+def test_route_breaks_ties_to_the_lower_expert_and_renormalises_from_k_2():
+    """k = 2: the gates renormalised; k = 1: the probability itself (Switch Transformer's top-1), not a constant 1."""
     probs = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.1, 0.3, 0.3, 0.3], [0.4, 0.1, 0.4, 0.1]])
     gates, experts = route(probs, 2)
     assert experts.tolist() == [[0, 1], [1, 2], [0, 2]]
     assert torch.equal(gates, torch.full((3, 2), 0.5))
+    gates, experts = route(probs, 1)
+    assert experts.tolist() == [[0], [1], [0]]
+    assert torch.equal(gates, torch.tensor([[0.25], [0.3], [0.4]]))
 
 
 def test_aux_loss_is_per_sequence_so_any_split_of_the_batch_gives_its_mean():
@@ -317,8 +387,15 @@ def test_aux_loss_is_per_sequence_so_any_split_of_the_batch_gives_its_mean():
     one = load_balance_loss(probs[:1], experts[:1])
     f = torch.bincount(experts[0].flatten(), minlength=8) / 32
     assert torch.allclose(one, 8 * (f * probs[0].mean(0)).sum(), atol=1e-6)
-    uniform = torch.full((1, 16, 8), 1 / 8)
+    uniform = torch.full((1, 16, 8), 1 / 8)  # uniform probabilities: 1 whatever the load (here all on experts 0, 1)
     assert torch.allclose(load_balance_loss(uniform, route(uniform, 2)[1]), torch.tensor(1.0))
+    # Worked examples where neither f nor P is uniform (E = 4, k = 2, every token alike): the load on experts 0 and
+    # 1, f = (1/2, 1/2, 0, 0), against P = (0.7, 0.2, 0.05, 0.05): 4 (0.35 + 0.1) = 1.8; and P = (1/2, 1/2, 0, 0),
+    # every token certain of its two: E/k = 2, the worst.
+    for p, expected in (([0.7, 0.2, 0.05, 0.05], 1.8), ([0.5, 0.5, 0.0, 0.0], 2.0)):
+        probs = torch.tensor(p).expand(2, 16, 4)
+        assert route(probs, 2)[1].unique().tolist() == [0, 1]
+        assert torch.allclose(load_balance_loss(probs, route(probs, 2)[1]), torch.tensor(expected))
 
 
 def test_an_expert_without_rows_gets_a_zero_gradient_not_none(monkeypatch):
@@ -330,6 +407,118 @@ def test_an_expert_without_rows_gets_a_zero_gradient_not_none(monkeypatch):
     for i in ("2", "3"):
         assert all(p.grad is not None and not p.grad.any() for p in moe.experts[i].parameters())
     assert all(p.grad.any() for p in moe.experts["0"].parameters())
+
+
+# ---- the mixture of experts against a reference written a token at a time -----------------------------------------
+
+def distinct_moe(k):
+    """A MoE layer of 4 experts, top-k, the experts' weights drawn N(0, 1) (experts that differ), the router's N(0, 0.1)
+    (probabilities from about 0.1 to 0.8: no gate near 0 or 1 to hide a wrong one); the same values on every rank."""
+    moe = MoE(GPTConfig(n_embd=16, n_experts=4, top_k=k, expert_hidden=8))
+    generator = torch.Generator().manual_seed(k)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            p.normal_(std=0.1 if name == "router.weight" else 1.0, generator=generator)
+    return moe
+
+
+def per_token_moe(moe, x):
+    """The MoE layer one token at a time, written without common.model's route, sorts or combine:
+    y_t = sum_j g_j expert_{e_j}(x_t), e_1..e_k the token's k likeliest experts (ties to the lower index), g_j their
+    probabilities renormalised to sum to 1 from k = 2, the probability itself at k = 1 (Switch Transformer's). `moe`
+    lends its weights (every expert's); x (B, T, C) -> (B, T, C)."""
+    E, k = moe.n_experts, moe.top_k
+    out = []
+    for x_t in x.reshape(-1, x.size(-1)):
+        logits = moe.router.weight @ x_t  # (E,)
+        p = torch.exp(logits - logits.max())
+        p = p / p.sum()
+        ranked = sorted(range(E), key=lambda e: (-p[e].item(), e))
+        # two implementations may round a near-tie differently: none here, so the choice is the same
+        assert k == E or logits[ranked[k - 1]] - logits[ranked[k]] > 1e-4, "a near-tie"
+        g = p[ranked[:k]]
+        g = g / g.sum() if k > 1 else g
+        y_t = torch.zeros_like(x_t)
+        for g_j, e in zip(g, ranked[:k]):
+            expert = moe.experts[str(e)]
+            hidden = F.gelu(expert.c_fc.weight @ x_t + expert.c_fc.bias)
+            y_t = y_t + g_j * (expert.c_proj.weight @ hidden + expert.c_proj.bias)
+        out.append(y_t)
+    return torch.stack(out).view_as(x)
+
+
+MOE_TOL = 1e-5  # fp32 sums of a few dozen terms: about 1e-6 of a tensor's largest entry apart
+
+
+def largest_relative(pairs):
+    """The largest max |a - b| / max |b| over the tensors' pairs (each pair: the code's, the reference's); a NaN in
+    any pair fails (torch's max keeps a NaN, conftest.worst then fails on it)."""
+    return worst((((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item() for a, b in pairs), "MoE")
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_moe_equals_the_per_token_reference_with_every_gradient(k):
+    """MoE.forward (route, sort, experts, combine) against per_token_moe: the output, and the gradients of the input,
+    the router and every expert under a language-model-like loss sum(w y) (no aux loss: the router learns through
+    its gates alone, k = 1 included)."""
+    moe = distinct_moe(k)
+    reference = copy.deepcopy(moe)
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 2, 5, 16, generator=generator)
+    inputs = [x.clone().requires_grad_() for _ in range(2)]
+    y, expected = moe(inputs[0]), per_token_moe(reference, inputs[1])
+    (y * w).sum().backward()
+    (expected * w).sum().backward()
+    pairs = [(y, expected), (inputs[0].grad, inputs[1].grad)]
+    pairs += [(p.grad, reference.get_parameter(n).grad) for n, p in moe.named_parameters()]
+    assert len(pairs) == 2 + 1 + 4 * 4  # the router, and each expert's 2 weights and 2 biases
+    print(f"k = {k}: worst {largest_relative(pairs):.2e}, router's gradient norm {moe.router.weight.grad.norm():.2e}")
+    assert largest_relative(pairs) <= MOE_TOL
+    assert moe.router.weight.grad.norm() > 1
+
+
+def _per_token_ep(rank, world_size):
+    """For k = 1, 2, 4: a MoE layer whose dispatch is ExpertParallel (distinct experts, 2r and 2r+1 on rank r) against
+    per_token_moe over both ranks' rows (2 and 3 sequences: uneven), under sum(w y): largest_relative() of the output,
+    the input's gradient, the router's (summed over the ranks, as sync_gradients sums it) and this rank's experts'."""
+    found = {}
+    for k in (1, 2, 4):
+        reference = distinct_moe(k)
+        moe = copy.deepcopy(reference)
+        for name in list(moe.experts):
+            if int(name) // 2 != rank:
+                del moe.experts[name]
+        moe.dispatch_combine = ExpertParallel(moe.experts, SimpleNamespace(n_experts=4, top_k=k), dist.group.WORLD)
+        x, w = torch.randn(2, 5, 4, 16, generator=torch.Generator().manual_seed(k))
+        mine = slice(2 * rank, 2 + 3 * rank)
+        inputs = [x[mine].clone().requires_grad_(), x.clone().requires_grad_()]
+        y, expected = moe(inputs[0]), per_token_moe(reference, inputs[1])
+        (y * w[mine]).sum().backward()
+        (expected * w).sum().backward()
+        router = moe.router.weight.grad.clone()
+        dist.all_reduce(router)
+        pairs = [(y, expected[mine]), (inputs[0].grad, inputs[1].grad[mine]), (router, reference.router.weight.grad)]
+        pairs += [(p.grad, reference.experts.get_parameter(n).grad) for n, p in moe.experts.named_parameters()]
+        found[k] = largest_relative(pairs), len(pairs)
+    return found
+
+
+def test_expert_parallel_equals_the_per_token_reference_with_every_gradient(runs):
+    for rank, r in enumerate(runs["checks2"]):
+        print(f"rank {rank}: worst per k {r['per_token']}")
+        assert all(w <= MOE_TOL and n == 3 + 2 * 4 for w, n in r["per_token"].values()), (rank, r["per_token"])
+
+
+def test_router_logits_are_fp32_under_bf16_autocast(monkeypatch):
+    """The router's matmul runs in fp32 under autocast, as its softmax does: the probabilities are those of fp32."""
+    moe = distinct_moe(2)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+    found = []
+    monkeypatch.setattr(common.model, "route", lambda probs, k: found.append(probs) or route(probs, k))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moe(x)
+    assert found[0].dtype == torch.float32
+    assert torch.allclose(found[0], torch.softmax(x @ moe.router.weight.t(), dim=-1), rtol=1e-6, atol=1e-7)
 
 
 def test_experts_default_to_the_dense_mlps_flops_and_dense_stays_dense():
