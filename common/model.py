@@ -124,7 +124,8 @@ def load_balance_loss(probs, experts):
     """The auxiliary load-balancing loss, per sequence and then its mean over the sequences (so a
     micro-batch, a rank and one process compute the same value): E * sum_i f_i * P_i, with f_i the
     share of the sequence's k*T expert slots that went to expert i and P_i the mean router
-    probability of expert i over its T tokens. 1 when balanced; E/k at worst. The gradient flows
+    probability of expert i over its T tokens. 1 when balanced, and also whenever P is uniform,
+    whatever the load (so near 1 at initialisation says little); E/k at worst. The gradient flows
     through P (f counts choices). probs (B, T, E), experts (B, T, k) -> a 0-dim fp32 tensor."""
     B, T, E = probs.shape
     slots = experts.view(B, -1)  # (B, T*k): each sequence's expert slots
