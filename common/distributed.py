@@ -179,20 +179,6 @@ def keep_freed_memory():
     mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # and the heap's free top is not given back
 
 
-def clear_distributed_caches():
-    """Empties DTensor's sharding-propagation and redistribution caches and torch.distributed's
-    lru_caches, which hold the DeviceMeshes (and so the groups) of the runs that filled them."""
-    if "torch.distributed.tensor" in sys.modules:
-        from torch.distributed.tensor import _redistribute, debug
-        # Named clears where torch has them (2.10+); older ones keep these caches in lru_caches.
-        for clear in (getattr(_redistribute, "clear_redistribute_planner_cache", None),
-                      getattr(debug, "_clear_sharding_prop_cache", None)):
-            if clear is not None:
-                clear()
-        for cache in FROZEN_CACHES + distributed_caches():
-            cache.cache_clear()  # e.g. MeshTopoInfo.build_from_mesh
-
-
 def teardown():
     """Ends every run: call it after main() returns, so main's models, buckets and hooks are gone.
 
@@ -208,7 +194,15 @@ def teardown():
     cycles, clear those caches, destroy every group, and check that no backend thread is left (a
     warning names the leak: tests fail on it)."""
     gc.collect()
-    clear_distributed_caches()
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import _redistribute, debug
+        # Named clears where torch has them (2.10+); older ones keep these caches in lru_caches.
+        for clear in (getattr(_redistribute, "clear_redistribute_planner_cache", None),
+                      getattr(debug, "_clear_sharding_prop_cache", None)):
+            if clear is not None:
+                clear()
+        for cache in FROZEN_CACHES + distributed_caches():
+            cache.cache_clear()  # e.g. MeshTopoInfo.build_from_mesh
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()

@@ -86,8 +86,9 @@ def prepared_data():
 
 
 # One process's intra-op threads, the same in the single-process reference and in test_parity.py's plain loop: a sum
-# split over another number of threads adds in another order (on a machine with many cores, a flake in waiting).
-ONE_PROCESS_THREADS = 2
+# split over another number of threads adds in another order (on a machine with many cores, a flake in waiting). One:
+# the references' launch and the plain loops run side by side, a core each.
+ONE_PROCESS_THREADS = 1
 
 
 def launch(script, nproc, args, timeout=300, check_teardown=True, torchrun=True, old_names=False):
@@ -356,6 +357,18 @@ def cut_args(implementation):
     --profile: tests/test_profile.py reads its traces (one launch for both; profiling changes no number)."""
     return PARITY + ["--lr_decay_iters", str(PARITY_STEPS), "--implementation", implementation,
                      "--max_iters", str(CUT), "--profile"]
+
+
+# tests/test_tp.py's runs with dropout 0.5 (custom with SP: every rank's forked stream; pytorch without: the shared
+# stream), uninterrupted: each rides the 2-rank launch of tests/test_parity.py, and test_tp.py's cut run of the same
+# flags, a launch of its own, must repeat its first steps bit for bit (a batched run is the run alone).
+TP_DROPOUT_STEPS = 4
+TP_DROPOUT = [("custom", True), ("pytorch", False)]
+
+
+def tp_dropout_args(implementation, sp):
+    return TINY + ["--dropout", "0.5", "--implementation", implementation, "--lr_decay_iters", str(TP_DROPOUT_STEPS),
+                   "--eval_interval", "2", "--eval_iters", "1"] + (["--sequence_parallel"] if sp else [])
 
 
 def runs_here(script, implementation, dtype="float32"):

@@ -28,7 +28,7 @@ import torch._dynamo  # noqa: E402
 import torch.utils.deterministic  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-from common.distributed import clear_distributed_caches, teardown  # noqa: E402
+from common.distributed import teardown  # noqa: E402
 from common.metrics import Metrics, timers  # noqa: E402
 
 COUNTED = ("frames", "stats", "graph_break")  # what dynamo traced, compiled, and where it broke
@@ -57,11 +57,13 @@ def fresh_run_state():
     - dynamo's caches and counters (an earlier run's graphs, recompile limit and counts);
     - --deterministic's mode, its NaN fill of torch.empty, and on CUDA the SDPA kernels it turns off;
     - inductor's fallback_random (--compile, common.model.compile_forward);
-    - the timers' spans (--print_schedule);
-    - DTensor's and torch.distributed's caches, keyed by the meshes and groups of a finished run.
+    - the timers' spans (--print_schedule).
     Kept, as they need not be reset: the default process group, which setup() reuses (it holds no number, only the
-    order of collectives, which every rank advances alike); gc.freeze (once a process, it moves the imports out of
-    the collector's walks and changes no value); the seeds, threads, TF32 and the meters, which setup() sets anew."""
+    order of collectives, which every rank advances alike); DTensor's sharding-propagation caches and
+    torch.distributed's lru_caches (pure memoisation: a hit returns what a miss computes; warm, a later run starts
+    seconds sooner);
+    gc.freeze (once a process, it moves the imports out of the collector's walks and changes no value); the seeds,
+    threads, TF32 and the meters, which setup() sets anew."""
     torch._dynamo.reset()
     counters.clear()
     torch.use_deterministic_algorithms(False)
@@ -71,7 +73,6 @@ def fresh_run_state():
     if "torch._inductor.config" in sys.modules:
         sys.modules["torch._inductor.config"].fallback_random = False
     timers.keep_spans = False
-    clear_distributed_caches()
 
 
 def count_attends(modules):

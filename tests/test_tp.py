@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import TINY, DeviceMemory, cpu_copies_only, launch, probe, read_metrics, refusal, spawn
+from conftest import (TINY, TP_DROPOUT, TP_DROPOUT_STEPS, DeviceMemory, cpu_copies_only, finite, launch, probe,
+                      read_metrics, refusal, run_record, spawn, tp_dropout_args)
 from common.data import get_batch
 from common.distributed import torch_name
 from common.model import GPT, GPTConfig
@@ -473,26 +474,34 @@ def test_dropout_masks_differ_between_tp_ranks_heads_and_agree_where_activations
             assert all(masks_equal) and all(torch.equal(a, b) for a, b in zip(drop0, drop1)), key
 
 
-RESUME_STEPS, RESUME_CUT = 4, 2
+RESUME_STEPS, RESUME_CUT = TP_DROPOUT_STEPS, 2
 
 
-@pytest.mark.parametrize("impl,sp", [("custom", True), ("pytorch", False)])  # SP: every fork; no SP: the shared stream
-def test_resume_with_dropout_is_bit_identical(impl, sp, tmp_path):
+@pytest.mark.parametrize("impl,sp", TP_DROPOUT)  # SP: every fork; no SP: the shared stream
+def test_resume_with_dropout_is_bit_identical(impl, sp, shared_run, tmp_path):
     """--dropout 0.5: RESUME_CUT steps, then --resume to RESUME_STEPS, equals the uninterrupted run bit for bit
-    (losses and final state): the checkpoint's RNG states restore the shared and the forked streams. The evals
-    (at the cut, in both the cut and the resumed run) draw nothing. The cut run's first steps, a launch of their
-    own, repeat the uninterrupted run's bit for bit: identical runs give identical losses, dropout included."""
-    flags = TINY + ["--dropout", "0.5", "--implementation", impl, "--lr_decay_iters", str(RESUME_STEPS),
-                    "--eval_interval", "2", "--eval_iters", "1"] + (["--sequence_parallel"] if sp else [])
-    for out, steps in (("whole", RESUME_STEPS), ("cut", RESUME_CUT), ("cut", RESUME_STEPS)):
-        resume = ["--resume"] if out == "cut" and steps == RESUME_STEPS else []
-        result = launch("tp_train.py", 2, flags + ["--max_iters", str(steps), "--out_dir", str(tmp_path / out)] + resume,
+    (losses, grad norms, evaluations and final state): the checkpoint's RNG states restore the shared and the forked
+    streams. The evals (at the cut, in both the cut and the resumed run) draw nothing. The uninterrupted run is
+    batched (tests/test_parity.py's 2-rank launch, after every run of it), the cut run's first steps a launch of
+    their own: they must repeat it bit for bit, dropout included (a batched run is the run alone)."""
+    from test_parity import launch_group
+    shared_run.batch(2, launch_group(2))
+    flags = tp_dropout_args(impl, sp)
+    whole_dir = shared_run("tp_train.py", 2, flags + ["--max_iters", str(RESUME_STEPS)])[0]
+    for steps in (RESUME_CUT, RESUME_STEPS):
+        resume = ["--resume"] if steps == RESUME_STEPS else []
+        result = launch("tp_train.py", 2, flags + ["--max_iters", str(steps), "--out_dir", str(tmp_path)] + resume,
                         torchrun=False)
         assert result.returncode == 0, result.stderr[-3000:]
-    whole, cut = (_ckpt(tmp_path / out / "ckpt.pt") for out in ("whole", "cut"))
+        if steps == RESUME_CUT:  # alone: the batched run's first steps and its evaluation at step 0, bit for bit
+            cut_alone, whole = run_record(tmp_path), run_record(whole_dir)
+            finite(cut_alone["loss"] + cut_alone["grad_norm"] + list(cut_alone["eval"][0]), "the cut run")
+            assert cut_alone["loss"] == whole["loss"][:RESUME_CUT], (cut_alone, whole)
+            assert cut_alone["grad_norm"] == whole["grad_norm"][:RESUME_CUT], (cut_alone, whole)
+            assert cut_alone["eval"][0] == whole["eval"][0], (cut_alone["eval"], whole["eval"])
+    whole, cut = (_ckpt(folder / "ckpt.pt") for folder in (whole_dir, tmp_path))
     assert cut["step"] == RESUME_STEPS
-    assert [r["loss"] for r in read_metrics(tmp_path / "cut") if "loss" in r] == \
-        [r["loss"] for r in read_metrics(tmp_path / "whole") if "loss" in r]
+    assert run_record(tmp_path) == run_record(whole_dir)  # every step, the evaluations too
     assert all(torch.equal(cut["model"][name], t) for name, t in whole["model"].items())
 
 
