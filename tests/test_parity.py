@@ -33,8 +33,9 @@ FLAGS = PARITY + ["--max_iters", str(STEPS)]  # TINY, lr 1e-3 -> 1e-4, 5 warmup 
 TOL = 1e-5  # fp32 on CPU, on every loss and evaluation; the largest |dloss| measured here is printed by each row
 # The pre-clip grad norm, relative: the same gradient summed in another order (buckets, shards, ranks, the
 # pipeline's stages); measured here: at most 2.1e-7 over every row (cp allgather at block 24 against the plain
-# loop), so a margin of about 5, as TOL's over the largest |dloss| measured, 1.9e-6 (pp interleaved). A gradient
-# off by a factor (a sum where a mean belongs: 2x at 2 ranks) is off by that factor in its norm.
+# loop), so a margin of about 5, as TOL's over the largest |dloss| measured, 1.9e-6 (pp interleaved); every row's
+# figures: docs/benchmarks/cpu-2core_2026-11-28.md. A gradient off by a factor (a sum where a mean belongs: 2x at 2
+# ranks) is off by that factor in its norm.
 NORM_TOL = 1e-6
 # tp_overlap_train.py against tp_train.py, relative to the loss: the same sums in another order, so the last bits
 # differ (a loss near 10 has a float32 spacing of 9.5e-7; the most measured at 4 ranks is 2 of them)
