@@ -366,6 +366,16 @@ TP_DROPOUT_STEPS = 4
 TP_DROPOUT = [("custom", True), ("pytorch", False)]
 
 
+def assert_alone_is_batched_prefix(alone, batched, steps):
+    """A run alone (run_record's dict) of `steps` steps repeats the batched run of the same flags, bit for bit: its
+    losses and grad norms, all finite, and its evaluation before the first step."""
+    finite(alone["loss"] + alone["grad_norm"] + list(alone["eval"][0]), "the run alone")
+    assert len(alone["loss"]) == steps, alone
+    assert alone["loss"] == batched["loss"][:steps], (alone, batched)
+    assert alone["grad_norm"] == batched["grad_norm"][:steps], (alone, batched)
+    assert alone["eval"][0] == batched["eval"][0], (alone["eval"], batched["eval"])
+
+
 def tp_dropout_args(implementation, sp):
     return TINY + ["--dropout", "0.5", "--implementation", implementation, "--lr_decay_iters", str(TP_DROPOUT_STEPS),
                    "--eval_interval", "2", "--eval_iters", "1"] + (["--sequence_parallel"] if sp else [])

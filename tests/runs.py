@@ -120,11 +120,12 @@ if __name__ == "__main__":
         attends.update(forward=0, backward=0)
         sys.argv = [f"{script}.py", *argv]  # as in a run of its own (a checkpoint names the script that wrote it)
         scripts[script].main(argv)
-        rank = os.environ.get("RANK", "0")
-        if "--out_dir" in argv:
-            with open(os.path.join(argv[argv.index("--out_dir") + 1], f"attend_rank{rank}.json"), "w") as f:
-                json.dump(attends, f)
-        if "--out_dir" in argv and after_first_step:
-            with open(os.path.join(argv[argv.index("--out_dir") + 1], f"dynamo_rank{rank}.json"), "w") as f:
+        if "--out_dir" not in argv:
+            continue
+        out_dir, rank = argv[argv.index("--out_dir") + 1], os.environ.get("RANK", "0")
+        with open(os.path.join(out_dir, f"attend_rank{rank}.json"), "w") as f:
+            json.dump(attends, f)
+        if after_first_step:
+            with open(os.path.join(out_dir, f"dynamo_rank{rank}.json"), "w") as f:
                 json.dump(dict(after_first_step=after_first_step[0], end=counted()), f)
     teardown()

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from conftest import (ONE_PROCESS_THREADS, PARITY, PARITY_EVAL_ITERS, PARITY_STEPS, REPO, TP_DROPOUT, TP_DROPOUT_STEPS,
-                      finite, paired, peer_needs, run_record, runs_here, tp_dropout_args, worst)
+                      assert_alone_is_batched_prefix, finite, paired, peer_needs, run_record, runs_here,
+                      tp_dropout_args, worst)
 from common.data import get_batch
 from common.model import GPT, GPTConfig
 
@@ -157,19 +158,7 @@ def row_id(script, implementation, nproc, extra):
 def plain_pytorch_run(steps=STEPS, lr_max=1e-3, lr_min=1e-4, warmup=5, seed=1337,
                       n_layer=2, n_head=4, n_embd=64, batch_size=8, block_size=32, n_experts=0, top_k=0):
     """The textbook loop, independent of every strategy script and of common.config: run_record's dict of its
-    losses, pre-clip grad norms and evaluations (before the first step and after the last, as nanoGPT's), on the
-    one-process reference's threads (ONE_PROCESS_THREADS), the pytest process's own put back after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(ONE_PROCESS_THREADS)
-    try:
-        return _plain_pytorch_run(steps, lr_max, lr_min, warmup, seed, n_layer, n_head, n_embd, batch_size, block_size,
-                                  n_experts, top_k)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _plain_pytorch_run(steps, lr_max, lr_min, warmup, seed, n_layer, n_head, n_embd, batch_size, block_size,
-                       n_experts, top_k):
+    losses, pre-clip grad norms and evaluations (before the first step and after the last, as nanoGPT's)."""
     config = GPTConfig(block_size=block_size, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                        dropout=0.0, bias=True, n_experts=n_experts, top_k=top_k,
                        expert_hidden=4 * n_embd // top_k if n_experts else 0)  # a mixture of experts: k of E
@@ -246,9 +235,12 @@ def references(shared_run):
                     failed.append(error)
             launch = threading.Thread(target=launch_references)
             launch.start()
+            threads = torch.get_num_threads()
+            torch.set_num_threads(ONE_PROCESS_THREADS)  # the references' threads; this process's put back after
             try:
                 plains = {k: plain_pytorch_run(**{f[2:]: int(v) for f, v in zip(k[::2], k[1::2])}) for k in keys}
             finally:
+                torch.set_num_threads(threads)
                 launch.join()
             if failed:
                 raise failed[0]
@@ -457,10 +449,7 @@ def test_a_batched_run_equals_the_same_run_alone(script, implementation, nproc, 
         assert result.returncode == 0, f"{script} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     alone = run_record(tmp_path)
     assert [e[0] for e in alone["eval"]] == [0, STANDALONE_STEPS], alone["eval"]
-    finite(alone["loss"] + alone["grad_norm"] + list(alone["eval"][0]), "alone")
-    assert alone["loss"] == batched["loss"][:STANDALONE_STEPS], (alone, batched)
-    assert alone["grad_norm"] == batched["grad_norm"][:STANDALONE_STEPS], (alone, batched)
-    assert alone["eval"][0] == batched["eval"][0], (alone["eval"], batched["eval"])
+    assert_alone_is_batched_prefix(alone, batched, STANDALONE_STEPS)
 
 
 # --activation_checkpointing: each row runs the script's main() once per (implementation, dropout, extra flags)

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import (TINY, TP_DROPOUT, TP_DROPOUT_STEPS, DeviceMemory, cpu_copies_only, finite, launch, probe,
-                      read_metrics, refusal, run_record, spawn, tp_dropout_args)
+from conftest import (TINY, TP_DROPOUT, TP_DROPOUT_STEPS, DeviceMemory, assert_alone_is_batched_prefix, cpu_copies_only,
+                      launch, probe, read_metrics, refusal, run_record, spawn, tp_dropout_args)
 from common.data import get_batch
 from common.distributed import torch_name
 from common.model import GPT, GPTConfig
@@ -494,11 +494,7 @@ def test_resume_with_dropout_is_bit_identical(impl, sp, shared_run, tmp_path):
                         torchrun=False)
         assert result.returncode == 0, result.stderr[-3000:]
         if steps == RESUME_CUT:  # alone: the batched run's first steps and its evaluation at step 0, bit for bit
-            cut_alone, whole = run_record(tmp_path), run_record(whole_dir)
-            finite(cut_alone["loss"] + cut_alone["grad_norm"] + list(cut_alone["eval"][0]), "the cut run")
-            assert cut_alone["loss"] == whole["loss"][:RESUME_CUT], (cut_alone, whole)
-            assert cut_alone["grad_norm"] == whole["grad_norm"][:RESUME_CUT], (cut_alone, whole)
-            assert cut_alone["eval"][0] == whole["eval"][0], (cut_alone["eval"], whole["eval"])
+            assert_alone_is_batched_prefix(run_record(tmp_path), run_record(whole_dir), RESUME_CUT)
     whole, cut = (_ckpt(folder / "ckpt.pt") for folder in (whole_dir, tmp_path))
     assert cut["step"] == RESUME_STEPS
     assert run_record(tmp_path) == run_record(whole_dir)  # every step, the evaluations too
