@@ -74,7 +74,7 @@ def divergence(run, reference):
         losses += zip(pair, reference["evals"].get(step, (float("inf"),) * 2))  # none: diverged
     norms = [(a, b) for a, b in zip(run["norms"], reference["norms"]) if a is not None]
     values = [x for pair in losses + norms for x in pair]
-    if not all(math.isfinite(x) for x in values):  # a NaN anywhere: max keeps one only if it is first
+    if not all(math.isfinite(x) for x in values):  # max keeps a NaN only when it comes first
         return float("inf")
     return max([abs(a - b) for a, b in losses] + [abs(a - b) / abs(b) for a, b in norms])
 
