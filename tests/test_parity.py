@@ -216,6 +216,11 @@ def reference_keys():
     return sorted({model_flags(x) for x in [()] + extras})
 
 
+def reference_runs():
+    """(script, args) of every one-process reference, one per reference_keys() model shape."""
+    return [("ddp_train.py", FLAGS + list(key)) for key in reference_keys()]
+
+
 @pytest.fixture(scope="module")
 def references(shared_run):
     """(reference, plain) run_record dicts per distinct model_flags(extra), computed once, all at the first call: the
@@ -230,7 +235,7 @@ def references(shared_run):
 
             def launch_references():
                 try:
-                    shared_run.batch(None, [("ddp_train.py", FLAGS + list(k)) for k in keys])
+                    shared_run.batch(None, reference_runs())
                 except BaseException as error:  # raised below, in the test
                     failed.append(error)
             launch = threading.Thread(target=launch_references)
@@ -244,8 +249,8 @@ def references(shared_run):
                 launch.join()
             if failed:
                 raise failed[0]
-            for key in keys:
-                ref = run_record(shared_run("ddp_train.py", None, FLAGS + list(key))[0])
+            for key, (script, args) in zip(keys, reference_runs()):
+                ref = run_record(shared_run(script, None, args)[0])
                 for name, run in (("reference", ref), ("plain loop", plains[key])):  # every model shape, MoE included
                     assert len(run["loss"]) == len(run["grad_norm"]) == STEPS, (name, key, run)
                     assert [e[0] for e in run["eval"]] == [0, STEPS], (name, key, run["eval"])
