@@ -19,7 +19,6 @@ Run:
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv-backend=c10d \\
            --rdzv-endpoint=HOST:29500 ddp_train.py       # 2 nodes x 8 GPUs (node_rank=1 on node 2)
   python ddp_train.py --implementation pytorch          # torch.nn.parallel.DistributedDataParallel
-  python ddp_train.py --n_experts 8                     # a mixture of experts (ep_train.py's ref.)
 The buckets' order, the mean on the loss, no-sync accumulation: docs/ddp.md.
 """
 import os
@@ -112,10 +111,8 @@ class GradientBuckets:
     def _all_reduce(self, bucket):
         # Sends the whole bucket (numel x 4 bytes in fp32) to every other rank and receives theirs,
         # summed: each rank's gradients are already g/N (its loss was divided by N), so afterwards
-        # every rank holds the mean gradient. A SUM, not ReduceOp.AVG: gloo's AVG divides after the
-        # sum, one more pass over the bucket on the step's critical path for the last one (the
-        # tied wte's 25.7 MB; ~1% of a step here). Async: backward keeps computing earlier layers
-        # while it is on the wire.
+        # every rank holds the mean gradient. Async: backward keeps computing earlier layers while
+        # it is on the wire.
         bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         self.next += 1
 
@@ -181,24 +178,17 @@ class DDP:
         return tensor.to(self.device, copy=True)
 
     def forward_backward(self, x, y, sync):
-        """One micro-step; returns its losses: (loss,), or a mixture of experts' (loss, aux_loss).
-        sync=False: accumulate only (set before forward)."""
+        """One micro-step; returns its loss. sync=False: accumulate only (set before forward)."""
         self.buckets.require_sync = sync
         with activations.first(), autocast(self.args, self.device):  # the bytes kept for backward
             _, loss = self.model(x, y)
-        losses = [loss]
-        aux_loss = self.model.aux_loss()
-        if aux_loss is not None:  # a mixture of experts: backward also balances their load
-            losses.append(aux_loss)
-            loss = loss + self.args.aux_loss_coef * aux_loss
-        # Each micro-step is 1/A of this rank's rows and each rank 1/N of the batch: with the
-        # loss divided by A*N, backward writes g/(A*N) and the buckets' plain sum over the ranks
-        # is the mean, with no pass over the gradients to divide them (torch DDP and Megatron
-        # divide each bucket before its all-reduce). N a power of 2: the same bits as after the sum.
+        # Each micro-step is 1/A of this rank's rows and each rank 1/N of the batch: backward of
+        # loss/(A*N) writes g/(A*N), and the buckets' plain sum over the ranks is the mean, with
+        # no pass over the gradients to divide them (why a sum: docs/design.md).
         N = dist.get_world_size(self.buckets.group)  # the ranks the buckets sum over
         (loss / (self.args.grad_accum_steps * N)).backward()
         self.buckets.finish_backward()
-        return torch.stack(losses).detach().float()
+        return loss.detach().float()
 
     @torch.no_grad()
     def eval_loss(self, x, y):
@@ -247,9 +237,6 @@ def check_ddp_args(args, world_size):
             die("--compile: dynamo splits torch DDP's compiled graph at its buckets, whose first "
                 "holds 1 MiB: --bucket_cap_mb must be >= 1 (or use --compile false)")
         args.compile = False  # the default: off here
-    if args.implementation == "pytorch" and args.n_experts:
-        die("--n_experts: torch DDP on a mixture of experts is ep_train.py's --implementation "
-            "pytorch")
     check_batch_split(args, world_size)
     return world_size
 
@@ -307,7 +294,7 @@ def main(argv=None):
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = batches.get(step)  # this rank's rows, on the device
-        loss_sum = torch.zeros(1 + (config.n_experts > 0), device=device)  # (loss[, aux_loss])
+        loss_sum = torch.zeros((), device=device)
         for j in range(A):  # gradients are synchronised on the last micro-step only
             part = slice(j * micro, (j + 1) * micro)
             loss_sum += model.forward_backward(x[part], y[part], sync=j == A - 1)
@@ -319,9 +306,9 @@ def main(argv=None):
         norm = model.clip_grad_norm_(args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # zero in place: gradients that are views stay views
-        loss, *aux_loss, norm = torch.cat([loss_sum, norm[None]]).tolist()  # the one host sync
+        loss, norm = torch.stack([loss_sum, norm]).tolist()  # the step's one host sync
         dt = time.perf_counter() - t0  # the step's kernels have run
-        metrics.step(step, loss, lr, norm, B * T, dt, device, args.log_interval, *aux_loss)
+        metrics.step(step, loss, lr, norm, B * T, dt, device, args.log_interval)
         profiler.step()
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
             checkpoint(step + 1, model, optimizer, config, args)

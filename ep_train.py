@@ -14,7 +14,7 @@ uneven splits, whose sizes are known only after routing, in forward and again in
                     over each shard's replicas. Torch DDP all-reduces 4(Pd + Pe) bytes.
 
 Run:
-  python ddp_train.py --n_experts 8                     # single process: the reference
+  python ep_train.py                                    # single process: the reference
   torchrun --standalone --nproc_per_node=2 ep_train.py  # EP 2: 4 of the 8 experts a rank
   torchrun --standalone --nproc_per_node=4 ep_train.py --data_parallel_size 2   # EP 2 x DP 2
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv-backend=c10d \\
@@ -306,7 +306,7 @@ def main(argv=None):
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = batches.get(step)  # this rank's rows, on the device
-        loss_sum = torch.zeros(1 + (config.n_experts > 0), device=device)  # (loss[, aux_loss])
+        loss_sum = torch.zeros(2, device=device)  # (loss, aux_loss)
         for j in range(A):  # gradients are synchronised on the last micro-step only
             part = slice(j * micro, (j + 1) * micro)
             loss_sum += model.forward_backward(x[part], y[part], sync=j == A - 1)
@@ -318,9 +318,9 @@ def main(argv=None):
         norm = model.clip_grad_norm_(args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # zero in place: gradients that are views stay views
-        loss, *aux_loss, norm = torch.cat([loss_sum, norm[None]]).tolist()  # the one host sync
+        loss, aux_loss, norm = torch.cat([loss_sum, norm[None]]).tolist()  # the one host sync
         dt = time.perf_counter() - t0  # the step's kernels have run
-        metrics.step(step, loss, lr, norm, B * T, dt, device, args.log_interval, *aux_loss)
+        metrics.step(step, loss, lr, norm, B * T, dt, device, args.log_interval, aux_loss)
         profiler.step()
         if args.checkpoint_interval and (step + 1) % args.checkpoint_interval == 0:
             checkpoint(step + 1, model, optimizer, config, args)

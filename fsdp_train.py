@@ -200,8 +200,9 @@ class FullyShardedGPT:
         unit.reshard()
         shard = torch.empty(unit.shard_size, device=grad.device)
         # Each rank sends shard j of its flat gradient to rank j ((N-1) x shard_size x 4 bytes
-        # out) and receives the others' shard `rank`, averaged: the mean over ranks of its shard.
-        work = reduce_scatter_single(shard, grad, op=dist.ReduceOp.AVG, async_op=True)
+        # out) and receives the others' shard `rank`, summed: each rank's gradient is already
+        # g/N (its loss was divided by N), so the sum is the mean over ranks of its shard.
+        work = reduce_scatter_single(shard, grad, async_op=True)
         self.pending.append((unit, shard, grad, work))
         self.finish_backward(in_flight=2)  # bound the full gradients in flight to two units
 
@@ -289,7 +290,10 @@ class FSDP:
         """One micro-step; returns its loss. Every one reduce-scatters: sync is not needed."""
         with activations.first(), autocast(self.args, self.device):  # the bytes kept for backward
             _, loss = self.model(x, y)
-        (loss / self.args.grad_accum_steps).backward()  # each micro-step is 1/A of this rank's rows
+        # Each micro-step is 1/A of this rank's rows and each rank 1/N of the batch: backward of
+        # loss/(A*N) writes g/(A*N), and the reduce-scatters' sums are the mean (docs/design.md).
+        N = dist.get_world_size()  # the ranks the reduce-scatters sum over
+        (loss / (self.args.grad_accum_steps * N)).backward()
         self.sharded.finish_backward()
         return loss.detach().float()
 
@@ -423,7 +427,7 @@ def main(argv=None):
             group["lr"] = lr
         x, y = batches.get(step)  # this rank's rows, on the device
         loss_sum = torch.zeros((), device=device)
-        for j in range(A):  # gradients are synchronised on the last micro-step only
+        for j in range(A):  # each micro-step reduce-scatters its gradients (sharded: no no_sync)
             part = slice(j * micro, (j + 1) * micro)
             loss_sum += model.forward_backward(x[part], y[part], sync=j == A - 1)
         batches.prefetch(step + 1)  # built and copied while the device runs this step

@@ -131,8 +131,7 @@ if [ "$MODE" = smoke ]; then
     RUNS=runs/smoke-moe
     [ "$DRY" = 1 ] || { rm -rf "$RUNS" && mkdir -p "$RUNS"; }
     record_setup
-    run reference 1 ddp_train.py $FLAGS --n_experts 8
-    run ddp-custom "$NPROC" ddp_train.py $FLAGS --n_experts 8
+    run reference 1 ep_train.py $FLAGS  # one process: every expert, E = 8 by default
     for impl in custom pytorch; do run "ep-$impl" "$NPROC" ep_train.py $FLAGS --implementation $impl; done
     RUNS=runs/smoke
   fi
@@ -150,7 +149,7 @@ else
     run "limit-1proc-r$r" 1 ddp_train.py $FLAGS  # one process, all cores, same global batch
     run_strategies "-r$r" "$NPROC"
     if has ep; then  # EP against torch DDP (every expert on every rank) and one process, E = 8, k = 2
-      run "limit@e8-1proc-r$r" 1 ddp_train.py $FLAGS --n_experts 8
+      run "limit@e8-1proc-r$r" 1 ep_train.py $FLAGS --n_experts 8
       for impl in custom pytorch; do
         run "ep@e8-$impl-r$r" "$NPROC" ep_train.py $FLAGS --n_experts 8 --implementation $impl
       done

@@ -69,6 +69,13 @@ def add_bool(group, name, default, help):
                        metavar="true|false", help=f"{help} (default: {default})")
 
 
+def script_name(strategy):
+    """The calling script's name without _train.py (pp_zb for pp_zb_train.py), read from the frame
+    that called parse_args; `strategy` when the caller is not a *_train.py script (a test)."""
+    caller = os.path.basename(sys._getframe(2).f_globals.get("__file__", ""))
+    return caller[:-len("_train.py")] if caller.endswith("_train.py") else strategy
+
+
 def parse_args(strategy, add_flags=None, argv=None):
     p = _Parser(description=f"nanodist {strategy}: train nanoGPT on Shakespeare.",
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -119,7 +126,8 @@ def parse_args(strategy, add_flags=None, argv=None):
                    help="evaluate every N steps and at the end; 0: never")
     r.add_argument("--eval_iters", type=int, default=10, help="batches per evaluation")
     r.add_argument("--log_interval", type=int, default=10, help="print every N steps")
-    r.add_argument("--out_dir", default=os.path.join("out", strategy))
+    r.add_argument("--out_dir", default=os.path.join("out", script_name(strategy)),
+                   help="out/<the script's name less _train.py>: every script its own")
     r.add_argument("--dataset", default="shakespeare", help="data/<dataset>/{train,val}.bin")
     r.add_argument("--data_file", default=None, help="tokenise this text file into data/<dataset>/")
     r.add_argument("--implementation", choices=["custom", "pytorch"], default="custom",
@@ -155,16 +163,16 @@ def parse_args(strategy, add_flags=None, argv=None):
 
 
 # The strategies that train a mixture of experts (--n_experts > 0), with their default E
-MOE_STRATEGIES = {"ddp": 0, "ep": 8}
+MOE_STRATEGIES = {"ep": 8}
 
 
 def add_moe_flags(group, supported):
     """Every script has the flags; the ones that do not train a mixture of experts refuse them
     (check_moe_args), and their help says where the flags are."""
-    where = "" if supported else "moved: ddp_train.py and ep_train.py; "
+    where = "" if supported else "ep_train.py's; "
     group.add_argument("--n_experts", type=int, default=None,
                        help=where + "E > 0: each block's MLP is E experts; 0: the dense GPT; "
-                            "None: 8 in ep_train.py, else 0")
+                            "None: 8")
     group.add_argument("--top_k", type=int, default=None, help=where + "experts a token; None: 2")
     group.add_argument("--expert_hidden", type=int, default=None, help=where + "each expert's "
                        "hidden width; None: 4 * n_embd // top_k (the dense MLP's FLOPs a token)")
@@ -180,7 +188,7 @@ def check_moe_args(args, strategy):
         for name in moe_flags:
             if getattr(args, name) is not None:
                 die(f"--{name}: {strategy} trains the dense GPT; a mixture of experts "
-                    "trains in ddp_train.py or ep_train.py")
+                    "trains in ep_train.py (in one process too)")
     if args.n_experts is None:
         args.n_experts = MOE_STRATEGIES.get(strategy, 0)
     if args.n_experts < 0:

@@ -8,8 +8,8 @@ the batch depends only on (seed, split, step).
 Offline, NANODIST_OFFLINE_DIR names a folder holding the text and tiktoken's GPT-2 BPE files
 (docs/offline.md): the text is copied from it instead of downloaded, and tiktoken reads it.
 `python -m common.data` prepares Tiny Shakespeare once, before any run.
-The hub's corpora (openwebtext, fineweb, fineweb_edu) are prepared once by `python -m common.data
-<name>` (common/prepare.py, docs/data.md) into shards named by data/<name>/manifest.json; a split
+The hub's corpora (openwebtext, fineweb, fineweb_edu) are prepared once by `python -m common.prepare
+<name>` (docs/data.md) into shards named by data/<name>/manifest.json; a split
 is then the concatenation of its shards, each memory-mapped, and get_batch draws from it as from
 one file.
 """
@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import urllib.request
 
@@ -135,9 +136,9 @@ def sharded_verdict(dataset, data_file):
     """None if data/<dataset>/ holds every shard its manifest names, complete; else the line
     naming the command that prepares them. Training never downloads or tokenises these."""
     if data_file is not None:
-        return (f"--data_file: --dataset {dataset} is prepared by python -m common.data "
+        return (f"--data_file: --dataset {dataset} is prepared by python -m common.prepare "
                 f"{dataset}, not from a text file")
-    prepare_first = f"run python -m common.data {dataset} first (docs/data.md)"
+    prepare_first = f"run python -m common.prepare {dataset} first (docs/data.md)"
     if not os.path.exists(os.path.join(data_dir(dataset), MANIFEST)):
         return f"--dataset {dataset}: not prepared: {prepare_first}"
     manifest = read_manifest(dataset)
@@ -313,19 +314,15 @@ class Batches:
 
 
 def main(argv):
-    """python -m common.data: Tiny Shakespeare's data/shakespeare/*.bin; python -m common.data
-    <openwebtext|fineweb|fineweb_edu> [flags]: that corpus's shards (common/prepare.py)."""
-    if not argv:
-        error = prepare()
-        if error is not None:
-            sys.exit(f"error: {error}")
-        return 0
-    try:  # here only: the libraries that prepare the corpora are never needed to train
-        from common import prepare as corpus
-    except ImportError as e:
-        sys.exit(f"error: python -m common.data {argv[0]} needs {e.name}: "
-                 f"pip install -r requirements-data.txt (pyarrow, huggingface_hub)")
-    return corpus.main(argv)
+    """python -m common.data: Tiny Shakespeare's data/shakespeare/*.bin. With arguments, the older
+    spelling of python -m common.prepare <dataset> [flags], which it runs in a process of its own:
+    the loader never imports the preparer."""
+    if argv:
+        return subprocess.call([sys.executable, "-m", "common.prepare", *argv])
+    error = prepare()
+    if error is not None:
+        sys.exit(f"error: {error}")
+    return 0
 
 
 if __name__ == "__main__":

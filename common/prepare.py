@@ -1,7 +1,8 @@
 """Pretraining corpora from the Hugging Face hub, tokenised into shards: OpenWebText, and FineWeb
 and FineWeb-Edu's 10B-token samples (docs/data.md).
 
-    python -m common.data fineweb_edu [--workers N] [--shard_tokens N]
+    python -m common.prepare fineweb_edu [--workers N] [--shard_tokens N]
+    python -m common.prepare shakespeare    # Tiny Shakespeare: common.data.prepare(), as every run does
 
 The parquet files download in the background (huggingface_hub, into its cache) while a pool of
 workers tokenises the files already there, one row group a task, with tiktoken's GPT-2 encoding
@@ -10,7 +11,9 @@ the temporary file of the current shard; a full shard (--shard_tokens uint16 ids
 (common.data.publish), then the manifest that names it, with where the shard starts: (document,
 offset), as documents span shards. A rerun skips the shards the manifest names, so a prepare
 killed at any point resumes, and the loader never sees a partial shard.
-Needs requirements-data.txt (pyarrow, huggingface_hub); training never imports this module.
+The hub's corpora need requirements-data.txt (pyarrow, huggingface_hub); training never imports
+this module (`python -m common.data <name>`, an older spelling, runs this command in a process of its
+own).
 `python -m common.prepare --bench`: tokenising throughput and peak memory, on a synthetic corpus.
 """
 import argparse
@@ -23,7 +26,6 @@ import json
 import math
 import multiprocessing
 import os
-import resource
 import shutil
 import socket
 import subprocess
@@ -32,11 +34,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-import huggingface_hub
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import tiktoken
+
+try:  # what the hub's corpora need beyond training; main() names the one that is missing
+    import huggingface_hub
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import resource  # peak memory and CPU seconds: Unix only
+    missing = None
+except ImportError as error:
+    missing = error.name
 
 from common import data
 
@@ -359,10 +367,10 @@ def prepare(dataset, folder, source, names, fetch, workers, shard_tokens):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m common.data",
+    p = argparse.ArgumentParser(prog="python -m common.prepare",
                                 description="Download and tokenise a pretraining corpus into "
                                             "data/<dataset>/ (docs/data.md).")
-    p.add_argument("dataset", choices=sorted(SOURCES))
+    p.add_argument("dataset", choices=["shakespeare", *sorted(SOURCES)])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     p.add_argument("--workers", type=int, default=cores, help="tokenising processes")
     p.add_argument("--shard_tokens", type=int, default=SHARD_TOKENS, help="uint16 ids a shard")
@@ -376,8 +384,19 @@ def parse(argv):
 
 
 def main(argv):
-    """python -m common.data <dataset> [flags]: 0, or exits with one error line."""
+    """python -m common.prepare <dataset> [flags]: 0, or exits with one error line."""
     args = parse(argv)
+    if args.dataset == "shakespeare":  # the loader's own, which needs no library of the hub's
+        error = data.prepare()
+        if error is not None:
+            sys.exit(f"error: {error}")
+        return 0
+    if missing in ("huggingface_hub", "pyarrow"):
+        sys.exit(f"error: python -m common.prepare {args.dataset} needs {missing}: "
+                 "pip install -r requirements-data.txt (pyarrow, huggingface_hub)")
+    if missing is not None:
+        sys.exit(f"error: python -m common.prepare {args.dataset} needs Python's {missing} "
+                 "module, which this platform lacks (it runs on Linux and macOS)")
     for flag in ("workers", "shard_tokens"):
         if getattr(args, flag) < 1:
             sys.exit(f"error: --{flag}: must be >= 1, got {getattr(args, flag)}")
@@ -445,7 +464,7 @@ def synthetic_corpus(folder, megabytes, docs_a_file=20000):
 def bench(workers, sizes_mb, rounds):
     """At each corpus size, `rounds` times each, alternating: tiktoken's
     encode_ordinary_batch(docs, num_threads=workers) on the documents already in memory, and
-    `python -m common.data fineweb_edu --parquet_dir` on their files in a process of its own (its
+    `python -m common.prepare fineweb_edu --parquet_dir` on their files in a process of its own (its
     tokenising loop's seconds, CPU seconds and peak RSS, as it prints them). The best wall time of
     each is kept, as other work on the machine only slows a round down; CPU seconds, which it
     hardly changes, give the cost of the pool, the parquet reading and the shards."""
@@ -463,7 +482,7 @@ def bench(workers, sizes_mb, rounds):
                 in_memory.append((time.perf_counter() - start, time.process_time() - cpu))
                 count = sum(len(doc) for doc in ids) + len(docs)  # with each <|endoftext|>
                 del ids
-                command = [sys.executable, "-m", "common.data", "fineweb_edu", "--parquet_dir",
+                command = [sys.executable, "-m", "common.prepare", "fineweb_edu", "--parquet_dir",
                            corpus, "--data_dir", os.path.join(folder, f"shards{r}"), "--workers",
                            str(workers), "--shard_tokens", str(10**7)]
                 out = subprocess.run(command, cwd=data.REPO_ROOT, capture_output=True, text=True)
@@ -483,7 +502,9 @@ def bench(workers, sizes_mb, rounds):
               f"{' / '.join(rss)}", flush=True)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--bench" not in sys.argv[1:]:
+    sys.exit(main(sys.argv[1:]))
+elif __name__ == "__main__":
     bench_flags = argparse.ArgumentParser(prog="python -m common.prepare")
     bench_flags.add_argument("--bench", action="store_true", required=True)
     bench_flags.add_argument("--workers", type=int, default=parse(["fineweb"]).workers)

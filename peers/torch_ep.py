@@ -1,6 +1,6 @@
 """PyTorch has no expert parallelism: ep_train.py --implementation pytorch trains the same
 mixture-of-experts GPT under torch.nn.parallel.DistributedDataParallel, every expert on every rank
-(the layout of ddp_train.py --n_experts), through the same loop. These are the methods that differ
+(the layout of ep_train.py in one process), through the same loop. These are the methods that differ
 from ep_train.py's EP; its TorchEP takes the rest (optimizer, eval) from EP."""
 from contextlib import nullcontext
 

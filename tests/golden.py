@@ -1,8 +1,8 @@
 """The refactor check: short runs of every script's defaults and of every parity layout, recorded before a change
 and compared, bit for bit, after it.
 
-    python tests/golden.py record DIR      # every run below, 4 steps each; DIR/golden.json
-    python tests/golden.py compare A B     # A/golden.json against B/golden.json, run by run
+    python tests/golden.py record DIR [WORD...]     # the runs below (those whose name holds a WORD); DIR/golden.json
+    python tests/golden.py compare A B [WORD...]  # A/golden.json against B/golden.json, run by run
 
 A change that only moves code (a rename, a function split, a comment) leaves every run's losses, pre-clip grad
 norms and evaluations the same bits: `compare` then prints "identical" for each run and exits 0. A run that differs
@@ -31,8 +31,9 @@ SCRIPTS = sorted(f for f in os.listdir(conftest.REPO) if f.endswith("_train.py")
 DEFAULTS = conftest.TINY + ["--seed", "1337", "--deterministic"]
 
 
-def runs():
-    """{nproc (None: one process): {name: (script, args)}}, every run cut to STEPS steps."""
+def runs(words=()):
+    """{nproc (None: one process): {name: (script, args)}}, every run cut to STEPS steps (those whose name holds
+    one of `words`, if any)."""
     todo = {None: list(test_parity.reference_runs()), 2: [], 4: []}
     for nproc in (2, 4):
         todo[nproc] += test_parity.launch_group(nproc) + test_parity.launch_group(nproc, as_user=True)
@@ -50,17 +51,18 @@ def runs():
                 del own[own.index("--max_iters"):own.index("--max_iters") + 2]
             own = own if (script, own) != (script, DEFAULTS[len(conftest.TINY):]) else ["(defaults)"]
             name = " ".join(["reference" if nproc is None else f"{script} {nproc}r", *own])
-            named.setdefault(nproc, {})[name] = (script, args)
+            if not words or any(word in name for word in words):
+                named.setdefault(nproc, {})[name] = (script, args)
     return named
 
 
-def record(directory):
+def record(directory, words=()):
     error = conftest.data.prepare("shakespeare")
     if error:
         sys.exit(error)
     os.makedirs(directory, exist_ok=True)
     results = {}
-    for nproc, group in runs().items():
+    for nproc, group in runs(words).items():
         argv, out_dirs = [], {}
         for k, (name, (script, args)) in enumerate(group.items()):
             out_dirs[name] = os.path.join(os.path.abspath(directory), "runs", f"{nproc or 1}r-{k}")
@@ -75,8 +77,9 @@ def record(directory):
     print(f"{len(results)} runs recorded in {directory}/golden.json")
 
 
-def compare(a, b):
-    old, new = (json.load(open(os.path.join(d, "golden.json"))) for d in (a, b))
+def compare(a, b, words=()):
+    old, new = ({name: run for name, run in json.load(open(os.path.join(d, "golden.json"))).items()
+                 if not words or any(word in name for word in words)} for d in (a, b))
     bad = 0
     for name in sorted(old.keys() | new.keys()):
         if name not in old or name not in new:
@@ -97,9 +100,9 @@ def compare(a, b):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "record":
-        record(sys.argv[2])
-    elif len(sys.argv) == 4 and sys.argv[1] == "compare":
-        sys.exit(compare(sys.argv[2], sys.argv[3]))
+    if len(sys.argv) >= 3 and sys.argv[1] == "record":
+        record(sys.argv[2], sys.argv[3:])
+    elif len(sys.argv) >= 4 and sys.argv[1] == "compare":
+        sys.exit(compare(sys.argv[2], sys.argv[3], sys.argv[4:]))
     else:
         sys.exit(__doc__.split("\n\n")[1])

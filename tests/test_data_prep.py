@@ -6,10 +6,12 @@ No test reaches the network: HF_HUB_OFFLINE=1, and a socket guard fails any conn
 recomputed here with tiktoken: <|endoftext|> before each document, a literal "<|endoftext|>" in a text read as text,
 a null text an empty document.
 """
+import ast
 import json
 import math
 import os
 import pathlib
+import runpy
 import shutil
 import signal
 import socket
@@ -385,22 +387,45 @@ def test_the_loader_reads_a_window_across_shards(sharded, tmp_path):
             data._tokens.pop((plain, split), None)
 
 
+def test_the_loader_never_imports_the_preparer_and_the_old_spelling_runs_it(monkeypatch):
+    """common/data.py imports common.prepare nowhere (no import circle: training never loads the preparer's libraries),
+    and `python -m common.data <dataset> [flags]`, the older spelling, runs `python -m common.prepare` with the same
+    arguments in a process of its own and returns its exit status."""
+    tree = ast.parse(open(os.path.join(REPO, "common", "data.py")).read())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "common"
+                for alias in node.names}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert "prepare" not in imported and "common.prepare" not in imported, imported
+    called = []
+    monkeypatch.setattr(data.subprocess, "call", lambda command: called.append(command) or 3)
+    assert data.main(["fineweb_edu", "--workers", "2"]) == 3
+    assert called == [[sys.executable, "-m", "common.prepare", "fineweb_edu", "--workers", "2"]]
+
+
 def test_a_missing_library_is_one_line_and_training_needs_neither(sharded, monkeypatch):
-    for name in ("pyarrow", "huggingface_hub"):  # an import of either fails, as where it is not installed
+    installed = {name: sys.modules[name] for name in ("pyarrow", "huggingface_hub")}
+    for name in installed:  # an import of either fails, as where it is not installed
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.delitem(sys.modules, "common.prepare")
-    monkeypatch.delattr(sys.modules["common"], "prepare")
-    with pytest.raises(SystemExit) as stop:
-        data.main(["fineweb_edu"])
-    assert stop.value.code == ("error: python -m common.data fineweb_edu needs huggingface_hub: "
+    monkeypatch.delitem(sys.modules, "common.prepare")  # run below as `python -m` runs it, from its source
+    monkeypatch.setattr(sys, "argv", ["prepare.py", "fineweb_edu"])
+    with pytest.raises(SystemExit) as stop:  # python -m common.prepare fineweb_edu, in this process
+        runpy.run_module("common.prepare", run_name="__main__")
+    assert stop.value.code == ("error: python -m common.prepare fineweb_edu needs huggingface_hub: "
                                "pip install -r requirements-data.txt (pyarrow, huggingface_hub)")
+    monkeypatch.setitem(sys.modules, "resource", None)  # Windows: no resource module
+    for name, module in installed.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_module("common.prepare", run_name="__main__")
+    assert stop.value.code == ("error: python -m common.prepare fineweb_edu needs Python's resource module, which "
+                               "this platform lacks (it runs on Linux and macOS)")
     assert data.prepare(sharded) is None and data.check_block_size(32, sharded) is None
     data._tokens.pop((sharded, "train"), None)  # read again, without either library
     assert data.get_batch("train", 0, 8, 32, 1337, sharded)[0].shape == (8, 32)
 
 
 def test_training_asks_to_prepare_first(sharded, monkeypatch, tmp_path):
-    first = "run python -m common.data fineweb_edu first (docs/data.md)"
+    first = "run python -m common.prepare fineweb_edu first (docs/data.md)"
     root = tmp_path / "data"
     os.makedirs(root / "fineweb_edu")
     monkeypatch.setattr(data, "DATA_ROOT", str(root))
@@ -426,7 +451,7 @@ def test_a_launch_on_a_partly_prepared_corpus_stops_at_once(sharded, one_thread)
         error = the_one_error("ddp_train.py", None, TINY + ["--dataset", partial, "--max_iters", "1"])
     finally:
         shutil.rmtree(data.data_dir(partial))
-    assert error == (f"error: --dataset {partial}: only partly prepared: run python -m common.data {partial} first "
+    assert error == (f"error: --dataset {partial}: only partly prepared: run python -m common.prepare {partial} first "
                      f"(docs/data.md)")
 
 

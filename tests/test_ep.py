@@ -1,6 +1,6 @@
 """ep_train.py and the mixture of experts in common/model.py: expert parallelism equals one process.
 
-The reference is one process, `ddp_train.py --n_experts 4` (every expert local); the MoE layer itself, one
+The reference is one process, `ep_train.py --n_experts 4` (EP 1: every expert local); the MoE layer itself, one
 process's and EP 2's, is checked against one written here a token at a time. The runs go through each script's
 real main() in spawned gloo ranks, several runs a spawn (starting ranks is the slow part): one process (the
 references), 2 ranks (EP 2 and its torch DDP peer with accumulation, bf16, a forced router, a cut and its resume,
@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import common.model
-import ddp_train
 import ep_train
 from conftest import PARITY, TINY, paired, read_metrics, refusal, spawn, worst
 from common.config import gpt_config, parse_args
@@ -63,7 +62,7 @@ def _main(script, argv, forced=False):
     if forced:
         common.model.route = forced_route
     try:
-        {"ddp": ddp_train, "ep": ep_train}[script].main(argv)
+        ep_train.main(argv)
     finally:
         common.model.route, ep_train.run_experts = original_route, original_run
     return rows
@@ -86,8 +85,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
     cut = ["--resume_from", str(root / "ep2-cut" / "ckpt.pt")]
     plan = {
-        1: [("reference", "ddp", [], False), ("reference-forced", "ddp", SHORTER, True),
-            ("ddp-resumed", "ddp", SHORTER + cut, False)],
+        1: [("reference", "ep", [], False), ("reference-forced", "ep", SHORTER, True),
+            ("one-resumed", "ep", SHORTER + cut, False)],
         2: [("ep2", "ep", ACCUM, False), ("ep2-pytorch", "ep", ACCUM + ["--implementation", "pytorch"], False),
             ("ep2-bf16", "ep", SHORTER + ["--dtype", "bfloat16"], False), ("ep2-forced", "ep", SHORTER, True),
             ("ep2-pytorch-forced", "ep", SHORTER + ["--implementation", "pytorch"], True),
@@ -207,7 +206,7 @@ def test_bf16_tracks_fp32(runs):
 
 def test_resume_is_bit_exact_and_the_checkpoint_is_one_process_layout(runs):
     """EP 2 cut at step CUT and resumed equals the run that was not cut, bit for bit; the same checkpoint resumed by
-    one process (ddp_train.py, every expert) continues as one process does."""
+    one process (every expert) continues as one process does."""
     whole, resumed = record(runs["ep2"][0]), record(runs["ep2-resumed"][0])
     assert len(resumed["loss"]) == SHORT - CUT
     assert resumed["loss"] == whole["loss"][CUT:SHORT] and resumed["norm"] == whole["norm"][CUT:SHORT]
@@ -217,7 +216,7 @@ def test_resume_is_bit_exact_and_the_checkpoint_is_one_process_layout(runs):
     assert (config.n_experts, config.top_k, config.expert_hidden) == (4, 2, 128)
     assert set(ckpt["model"]) == set(GPT(config, device="meta").state_dict())
     assert set(ckpt["optimizer"]) == {n for n, _ in GPT(config, device="meta").named_parameters()}
-    dloss, dnorm = differences(record(runs["ddp-resumed"][0]), record(runs["reference"][0]), first=CUT, last=SHORT)
+    dloss, dnorm = differences(record(runs["one-resumed"][0]), record(runs["reference"][0]), first=CUT, last=SHORT)
     assert dloss <= TOL and dnorm <= NORM_TOL
 
 
@@ -306,7 +305,7 @@ def _ledger(rank, world_size):
 def _one_process_routing(dtype="float32"):
     """Each layer's experts (B, T, k) and router probabilities (B, T, E) for the global batch of step 0 in one process
     computing in `dtype` (common.model.route recorded): the runs' initial weights (seed 1337) and first batch."""
-    args = parse_args("ddp", None, TINY + MOE + ["--dtype", dtype])
+    args = parse_args("ep", None, TINY + MOE + ["--dtype", dtype])
     model = GPT(gpt_config(args), seed=args.seed)
     chosen, probabilities, original = [], [], common.model.route
 
@@ -348,7 +347,7 @@ def test_all_to_all_bytes_match_the_formula(runs):
 
 
 def test_each_rank_holds_its_experts_and_their_adamw_state_only(runs):
-    full = {n: p.numel() for n, p in GPT(gpt_config(parse_args("ddp", None, TINY + MOE)), device="meta")
+    full = {n: p.numel() for n, p in GPT(gpt_config(parse_args("ep", None, TINY + MOE)), device="meta")
             .named_parameters()}
     expert_numel = sum(v for n, v in full.items() if ".experts." in n)
     dense_numel = sum(v for n, v in full.items() if ".experts." not in n)
@@ -522,7 +521,7 @@ def test_router_logits_are_fp32_under_bf16_autocast(monkeypatch):
 
 
 def test_experts_default_to_the_dense_mlps_flops_and_dense_stays_dense():
-    args = parse_args("ddp", None, TINY + ["--n_experts", "8", "--top_k", "2"])
+    args = parse_args("ep", None, TINY + ["--n_experts", "8", "--top_k", "2"])
     assert gpt_config(args).expert_hidden == 4 * 64 // 2
     dense = gpt_config(parse_args("ddp", None, TINY))
     assert (dense.n_experts, dense.top_k, dense.expert_hidden) == (0, 0, 0)
@@ -538,13 +537,12 @@ BAD = [
     ("ep_train.py", ["--top_k", "0"], 2, "--top_k: must be >= 1, got 0"),
     ("ep_train.py", ["--n_experts", "0"], 2, "--n_experts: ep_train.py shards the experts"),
     ("ep_train.py", ["--data_parallel_size", "3"], 4, "--data_parallel_size: 3 must be > 0 and divide"),
-    ("ddp_train.py", ["--n_experts", "4", "--top_k", "-1"], None, "--top_k: must be >= 1, got -1"),
-    ("ddp_train.py", ["--top_k", "2"], None, "--top_k: only for a mixture of experts"),
-    ("ddp_train.py", ["--n_experts", "4", "--implementation", "pytorch"], None, "ep_train.py's --implementation"),
-    ("ddp_train.py", ["--n_experts", "4", "--compile"], None, "--compile: not with --n_experts"),
+    ("ep_train.py", ["--n_experts", "4", "--top_k", "-1"], None, "--top_k: must be >= 1, got -1"),
+    ("ep_train.py", ["--n_experts", "4", "--compile"], None, "--compile: not with --n_experts"),
     *[(script, ["--n_experts", "4"], None, "--n_experts: ") for script in
-      ("fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py", "hybrid_train.py",
-       "pp_zb_train.py", "tp_overlap_train.py")],
+      ("ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py",
+       "hybrid_train.py", "pp_zb_train.py", "tp_overlap_train.py")],
+    ("ddp_train.py", ["--top_k", "2"], None, "--top_k: "),
 ]
 
 
@@ -553,5 +551,5 @@ def test_bad_input_is_one_line(script, flags, nproc, line, tmp_path, monkeypatch
     error = refusal(script, nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags, monkeypatch,
                     capsys)
     assert line in error, error
-    if script not in ("ep_train.py", "ddp_train.py"):
-        assert "trains the dense GPT; a mixture of experts trains in ddp_train.py or ep_train.py" in error
+    if script != "ep_train.py":
+        assert "trains the dense GPT; a mixture of experts trains in ep_train.py (in one process too)" in error

@@ -2,7 +2,8 @@
 
 Each row of STRATEGIES runs under torchrun; its per-step logged losses and pre-clip grad norms, and its
 evaluations (train and val loss before the first step and at the end), are compared with
-  1. the single-process reference, `python ddp_train.py` with the same flags, and
+  1. the single-process reference, `python ddp_train.py` with the same flags (`python ep_train.py` for a mixture
+     of experts), and
   2. an independent plain-PyTorch loop written below from common.model and common.data only.
 The config is small, fp32, dropout 0, 15 steps at a stable learning rate: longer runs are chaotic
 (after a loss spike even 1- and 2-thread single-process runs drift apart by 0.1 by step 40).
@@ -217,8 +218,9 @@ def reference_keys():
 
 
 def reference_runs():
-    """(script, args) of every one-process reference, one per reference_keys() model shape."""
-    return [("ddp_train.py", FLAGS + list(key)) for key in reference_keys()]
+    """(script, args) of every one-process reference, one per reference_keys() model shape: ddp_train.py's, or for a
+    mixture of experts ep_train.py's, which alone trains one (EP 1: every expert in the process)."""
+    return [("ep_train.py" if "--n_experts" in key else "ddp_train.py", FLAGS + list(key)) for key in reference_keys()]
 
 
 @pytest.fixture(scope="module")
