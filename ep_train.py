@@ -83,6 +83,8 @@ class ExpertParallel:
     def __call__(self, rows, experts, gates):
         ep, n_local = self.ep_size, self.n_local
         order, counts = sort_by_expert(experts, self.n_experts)  # counts (E,)
+        # In expert order is in destination order: rank r holds the consecutive experts
+        # r*E/EP .. (r+1)*E/EP - 1, so each rank's rows are one consecutive block of send.
         send = rows[order // self.top_k]  # (N*k, C): by destination rank, then by its expert
         counts_in = torch.empty_like(counts)
         # The counts first, in their own all-to-all: rank r gets counts[r*E/EP:(r+1)*E/EP], how
@@ -122,12 +124,12 @@ class EP:
         self.replica_group, _ = dist.new_subgroups_by_enumeration(self.grid.t().tolist())
         ep_rank = dist.get_rank() % ep_size
         n_local = config.n_experts // ep_size
-        mine = [str(i) for i in range(ep_rank * n_local, (ep_rank + 1) * n_local)]
+        held = [str(i) for i in range(ep_rank * n_local, (ep_rank + 1) * n_local)]
         self.model = GPT(config, device="meta")
         for block in self.model.transformer.h:
             experts = block.mlp.experts
             for name in list(experts):
-                if name not in mine:
+                if name not in held:
                     del experts[name]  # not held here: the names left are the full model's
             block.mlp.dispatch_combine = ExpertParallel(experts, config, self.ep_group)
         # Every tensor's init depends on (seed, name) only: this rank's experts get the values
