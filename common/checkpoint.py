@@ -56,8 +56,8 @@ def save_checkpoint(model_state, optimizer_state, step, config, args):
     cuda_rng = None
     if torch.cuda.is_available():
         cuda_rng = torch.cuda.get_rng_state()
-    mine = dict(cpu=torch.get_rng_state(), cuda=cuda_rng)
-    dist.gather_object(mine, rng, dst=0)
+    rng_here = dict(cpu=torch.get_rng_state(), cuda=cuda_rng)
+    dist.gather_object(rng_here, rng, dst=0)
     if rank == 0:
         ckpt = dict(format=FORMAT, script=os.path.basename(sys.argv[0]), model=model_state,
                     optimizer=optimizer_state, step=step, rng=rng,
@@ -186,10 +186,10 @@ def read_chosen(choice, rank):
     ckpt, error = read(path, flag)
     if error is not None:  # e.g. a file still being copied
         return None, f"{error}, on {where}: {fix}"
-    mine = dict(step=ckpt["step"], save=ckpt.get("save"), bytes=os.path.getsize(path))
-    if any(mine[key] != choice[key] for key in mine):
+    read_here = dict(step=ckpt["step"], save=ckpt.get("save"), bytes=os.path.getsize(path))
+    if any(read_here[key] != choice[key] for key in read_here):
         return None, (f"{flag}: {path} on {where} is another file than rank 0 read "
-                      f"({describe(mine)}, not {describe(choice)}; a stale copy?): {fix}")
+                      f"({describe(read_here)}, not {describe(choice)}; a stale copy?): {fix}")
     return ckpt, None
 
 
@@ -274,8 +274,8 @@ def gather_to_rank0(entries, sends, config, device):
     and copies it to the CPU before the next. lm_head.weight is written from the tied wte."""
     rank0 = dist.get_rank() == 0
     layouts = [None] * dist.get_world_size() if rank0 else None
-    mine = [(name, key, shape, dtype) for name, key, shape, dtype, _ in entries]
-    dist.gather_object(mine if sends else [], layouts, dst=0)
+    layout = [(name, key, shape, dtype) for name, key, shape, dtype, _ in entries]
+    dist.gather_object(layout if sends else [], layouts, dst=0)
     params, states = {}, {}
 
     def keep(name, key, value):

@@ -346,12 +346,12 @@ class Metrics:
         timer_ms = {f"{k}_ms": round(v, 3) for k, v in timers.medians_ms().items()}
         now = peak_mem_bytes(device)
         training = now if self.peak_mem_bytes is None else self.peak_mem_bytes  # None: no step run
-        mine = dict(model_state_bytes=model_state_bytes, peak_mem_bytes=training,
+        this_rank = dict(model_state_bytes=model_state_bytes, peak_mem_bytes=training,
                     checkpoint_peak_mem_bytes=now, **timer_ms, **extra)
         if activations.measured:
-            mine["saved_activation_bytes"] = activations.bytes
+            this_rank["saved_activation_bytes"] = activations.bytes
         ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, mine)
+        dist.all_gather_object(ranks, this_rank)
         median_tokens_per_sec = 0.0
         if self.tokens_per_sec:
             median_tokens_per_sec = statistics.median(self.tokens_per_sec)

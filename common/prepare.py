@@ -2,7 +2,7 @@
 and FineWeb-Edu's 10B-token samples (docs/data.md).
 
     python -m common.prepare fineweb_edu [--workers N] [--shard_tokens N]
-    python -m common.prepare shakespeare    # Tiny Shakespeare: common.data.prepare(), as every run does
+    python -m common.prepare shakespeare   # Tiny Shakespeare: common.data.prepare(), as runs do
 
 The parquet files download in the background (huggingface_hub, into its cache) while a pool of
 workers tokenises the files already there, one row group a task, with tiktoken's GPT-2 encoding
@@ -12,8 +12,8 @@ the temporary file of the current shard; a full shard (--shard_tokens uint16 ids
 offset), as documents span shards. A rerun skips the shards the manifest names, so a prepare
 killed at any point resumes, and the loader never sees a partial shard.
 The hub's corpora need requirements-data.txt (pyarrow, huggingface_hub); training never imports
-this module (`python -m common.data <name>`, an older spelling, runs this command in a process of its
-own).
+this module (`python -m common.data <name>`, an older spelling, runs this command in a process of
+its own).
 `python -m common.prepare --bench`: tokenising throughput and peak memory, on a synthetic corpus.
 """
 import argparse
@@ -173,10 +173,10 @@ class Stream:
     def __init__(self, folder, stream, manifest, shard_tokens):
         self.folder, self.stream, self.manifest = folder, stream, manifest
         self.shard_tokens = shard_tokens
-        mine = [s for s in manifest["shards"] if s["stream"] == stream]
-        self.index = len(mine)  # of the next shard
+        published = [s for s in manifest["shards"] if s["stream"] == stream]
+        self.index = len(published)  # of the next shard
         # What the published shards hold: every token before (document, offset), in this stream.
-        self.done = mine[-1]["end"] if mine else [0, 0]
+        self.done = published[-1]["end"] if published else [0, 0]
         self.file, self.entry = None, None
 
     def split(self):
@@ -334,8 +334,8 @@ def prepare(dataset, folder, source, names, fetch, workers, shard_tokens):
                 streams[0].add(ids, docs, lengths)
             else:
                 in_val = val[docs]
-                for stream, mine in zip(streams, (in_val, ~in_val)):  # ("val", "train")
-                    stream.add(ids[np.repeat(mine, lengths)], docs[mine], lengths[mine])
+                for stream, chosen in zip(streams, (in_val, ~in_val)):  # ("val", "train")
+                    stream.add(ids[np.repeat(chosen, lengths)], docs[chosen], lengths[chosen])
             documents, tokens = documents + len(lengths), tokens + len(ids)
             if time.monotonic() - last_print > PROGRESS_S:
                 last_print = time.monotonic()
