@@ -104,8 +104,8 @@ class OwnedAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        for group, mine in zip(self.param_groups, self.adamw.param_groups):
-            mine["lr"] = group["lr"]
+        for group, kept_group in zip(self.param_groups, self.adamw.param_groups):
+            kept_group["lr"] = group["lr"]
         self.adamw.step()
         # Each owner sends its updated tensors (4 P_own bytes, one message) to every rank: the
         # replicas are equal again. Async, in owner order on every rank.
@@ -146,7 +146,7 @@ class GradientBuckets:
 
 class ZeRO1:
     """Stage 1 behind the loop's methods: the whole GPT and every gradient on every rank, as in DDP;
-    OwnedAdamW keeps the owned tensors' AdamW state. Stages 2, 3: build_model, reduce_gradients."""
+    OwnedAdamW keeps the owned tensors' AdamW state. Stages 2, 3 override methods (map: ZeRO3)."""
     dp_group = None  # the ranks that split the batch: all of them
     bucket_cap_mb = 25  # GradientBuckets' size, and stage 2's window: DDP's default
     sharded = "AdamW state"  # what describe() says is owned
@@ -266,14 +266,19 @@ class ReduceToOwner:
     def _grad_ready(self, p):
         # Each rank sends p's fp32 gradient (numel x 4 bytes; tied wte: once, both uses summed) to
         # the owner, which receives the sum; the owner's holds the earlier micro-steps' sums too.
-        grad = p.grad.float()  # bf16: an fp32 copy; fp32: p.grad itself
-        master = self.masters.get(p)
-        if master is not p:  # a non-owner's p.grad goes (the reduce holds it), and a bf16 one
+        master = self.masters.get(p)  # None: owned elsewhere
+        if master is p:  # kept (owned or persistent), fp32: autograd accumulates into p.grad
+            grad = p.grad
+        elif master is None:  # owned elsewhere: this micro-step's, dropped here (the reduce has it)
+            grad = p.grad.float()  # bf16: an fp32 copy
             p.grad = None
-            if master is not None and self.first_micro_step:  # bf16: the owner's fp32 master
-                master.grad = grad  # in place of zero_grad's zeros: no pass to add them
-            elif master is not None:
-                grad = master.grad.add_(grad)  # the sum so far goes to the reduce
+        else:  # owned, bf16: the micro-steps accumulate into the fp32 master's gradient
+            if self.first_micro_step:  # in place of zero_grad's zeros: no pass to add them
+                master.grad = p.grad.float()
+            else:
+                master.grad.add_(p.grad.float())
+            grad = master.grad
+            p.grad = None
         if self.owner[p] is None and not self.sync:
             return  # a replicated gradient only accumulates on this micro-step
         # At most `window` bytes in flight (DeepSpeed's reduce_bucket_size): wait for the oldest.
@@ -347,26 +352,27 @@ class ParamFetcher:
     persistent (never fetched)}; `masters`: materialize_owned_'s."""
 
     def __init__(self, model, owner, rank, masters, prefetch=True, max_reuse_distance=10**9):
-        self.rank, self.masters, self.prefetch = rank, masters, prefetch
+        self.rank, self.prefetch = rank, prefetch
         self.units = [model.transformer.wte, model.transformer.wpe, *model.transformer.h,
                       model.transformer.ln_f, model.lm_head]  # the modules, in forward order
         # One broadcast per (module, owner): that owner's tensors of a module are one flat buffer.
-        self.buffer_owner = {}  # flat buffer -> its owner's rank
-        self.flat_master = {}  # flat buffer -> the owner's fp32 flat master of it
-        self.unit_buffers = []  # per module: its flat buffers, one per owner, in rank order
+        self.unit_buffers = []  # per module: {owner's rank: its flat buffer}, in rank order
+        self.flat_master = {}  # flat buffer this rank owns -> its fp32 flat master
         for unit in self.units:
-            buffers = []
+            buffers = {}
             for r in sorted({owner[p] for p in unit.parameters()} - {None}):
-                buffers.append(self._buffer([p for p in unit.parameters() if owner[p] == r], r))
+                params = [p for p in unit.parameters() if owner[p] == r]
+                buffers[r] = self._buffer(params, r, masters)
             self.unit_buffers.append(buffers)
         # Module i's forward keeps (keep[i]) the buffers a later module j uses again, when at most
         # --max_reuse_distance elements are fetched in between (the tied wte at the default).
-        sizes = [sum(flat.numel() for flat in buffers) for buffers in self.unit_buffers]
+        sizes = [sum(flat.numel() for flat in buffers.values()) for buffers in self.unit_buffers]
         self.keep = []
         for i, buffers in enumerate(self.unit_buffers):
             near = [j for j in range(i + 1, len(sizes))
                     if sum(sizes[i + 1:j]) <= max_reuse_distance]
-            self.keep.append({b for j in near for b in set(buffers) & set(self.unit_buffers[j])})
+            later = {flat for j in near for flat in self.unit_buffers[j].values()}
+            self.keep.append(set(buffers.values()) & later)
         # an embedding lookup's backward reads no weight: only the others are fetched again
         lookups = [i for i, unit in enumerate(self.units) if isinstance(unit, torch.nn.Embedding)]
         self.backward_order = [i for i in reversed(range(len(self.units))) if i not in lookups]
@@ -376,18 +382,17 @@ class ParamFetcher:
             unit.register_forward_pre_hook(lambda m, inputs, i=i: self._before(i, forward_order))
             unit.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, args, out))
 
-    def _buffer(self, params, owner):
+    def _buffer(self, params, owner, masters):
         """The flat buffer of `params` (tied wte: one for both modules), owned by `owner`, who also
-        keeps its flat fp32 master: in fp32 the buffer itself."""
+        keeps their fp32 masters flat: in fp32 the buffer itself."""
         flat = flatten_(params)
-        self.buffer_owner[flat] = owner
         if owner == self.rank:
-            masters = [self.masters[p] for p in params]
-            self.flat_master[flat] = flat if masters[0] is params[0] else flatten_(masters)
+            owned = [masters[p] for p in params]
+            self.flat_master[flat] = flat if owned[0] is params[0] else flatten_(owned)
         return flat
 
     def _fetch(self, i):
-        for flat in self.unit_buffers[i]:
+        for src, flat in self.unit_buffers[i].items():
             if flat in self.fetched:  # here already, or on its way
                 continue
             master = self.flat_master.get(flat)  # this rank's fp32 master of it, if it owns it
@@ -397,11 +402,10 @@ class ParamFetcher:
                     flat.data.copy_(master.detach())  # bf16: the owner casts its fp32 master
             # The owner sends its tensors (numel x 4 bytes; bf16: 2) to every rank, async. Through
             # .data: no version counter moves on the views autograd saved (bf16 too: no casts).
-            src = self.buffer_owner[flat]
             self.fetched[flat] = dist.broadcast(flat.data, src=src, async_op=True)
 
     def _free(self, i, keep=()):
-        for flat in self.unit_buffers[i]:
+        for flat in self.unit_buffers[i].values():
             if flat in keep:
                 continue
             if self.fetched.pop(flat, None) is not None:
@@ -415,7 +419,7 @@ class ParamFetcher:
         if self.prefetch and i != order[-1]:
             self._fetch(order[order.index(i) + 1])  # the next module's broadcasts overlap this one
         with timers("broadcast_wait"):  # exposed communication: what the overlap did not hide
-            for flat in self.unit_buffers[i]:
+            for flat in self.unit_buffers[i].values():
                 if self.fetched[flat] is not None:
                     self.fetched[flat].wait()
                     self.fetched[flat] = None
@@ -431,7 +435,13 @@ class ParamFetcher:
 
 
 class ZeRO3(ZeRO2):
-    """Stage 3: ZeRO2 with the GPT on meta, each rank materialising its own, and ParamFetcher."""
+    """Stage 3: ZeRO2 with the GPT on meta, each rank materialising its own, and ParamFetcher.
+    The calls, stage 1 -> 2 -> 3 (each method in the class named):
+      ZeRO3(): ZeRO1.__init__: assign_owners -> ZeRO3.build_model (materialize_owned_) -> compile,
+        recompute -> ZeRO2.reduce_gradients (ReduceToOwner's hooks); then ParamFetcher's hooks.
+      forward_backward: ZeRO3's wraps ZeRO1's (forward, backward: ParamFetcher fetches and frees,
+        ReduceToOwner._grad_ready sends each gradient), which ends in ZeRO2.sync_gradients.
+      configure_optimizer: ZeRO3's; eval_loss, clip_grad_norm_, full_state: ZeRO1's."""
 
     def __init__(self, config, args, device, state=None):
         super().__init__(config, args, device, state)
@@ -567,7 +577,7 @@ def main(argv=None):
             group["lr"] = lr
         x, y = batches.get(step)  # this rank's rows, on the device
         loss_sum = torch.zeros((), device=device)
-        for j in range(A):  # gradients are synchronised on the last micro-step only
+        for j in range(A):  # stage 1 syncs gradients on the last micro-step only; 2, 3 on each
             part = slice(j * micro, (j + 1) * micro)
             loss_sum += model.forward_backward(x[part], y[part], sync=j == A - 1)
         batches.prefetch(step + 1)  # built and copied while the device runs this step

@@ -410,6 +410,7 @@ def _saved_tensors_bf16(rank, world_size):
                      torch.device("cpu"))
     fetcher, storages, after_forward = strategy.fetcher, {"weight": [], "copy": []}, []
     nonowned = [p for p in strategy.owner if strategy.owner[p] not in (None, rank)]
+    nonowned_flats = {flat for buffers in fetcher.unit_buffers for r, flat in buffers.items() if r != rank}
     copies = {}  # address -> storage: kept alive here, so no other storage takes its address
 
     def fetched():  # the addresses of the non-owned weights' storages that hold bytes now
@@ -432,7 +433,7 @@ def _saved_tensors_bf16(rank, world_size):
         return sum({s.data_ptr(): s.nbytes() for s in storages[kind] if s.nbytes()}.values())
 
     strategy.model.register_forward_hook(lambda m, a, out: after_forward.append(
-        (held("weight"), held("copy"), held_bytes(f for f in fetcher.fetched if fetcher.buffer_owner[f] != rank))))
+        (held("weight"), held("copy"), held_bytes(f for f in fetcher.fetched if f in nonowned_flats))))
     x, y = _rows(rank, world_size, CONFIG)
     activations.measured = True  # the meter's hooks, inside these, would hide them: the innermost are used
     with Copies(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -469,10 +470,10 @@ def _checkpoint(rank, world_size):
         state, optim = gather_full_state(model, optimizer, reducer.owner, reducer.masters)
     largest = max(4 * p.numel() for p in reducer.owner)
     device = (memory.peak, largest, rank == 0 and cpu_copies_only(memory, state, optim))
-    mine = {n: dict(param=reducer.masters[p], **optimizer.state[reducer.masters[p]])
+    owned_state = {n: dict(param=reducer.masters[p], **optimizer.state[reducer.masters[p]])
             for n, p in model.named_parameters() if p in reducer.masters}
     every = [None] * world_size if rank == 0 else None
-    dist.gather_object(mine, every)  # each owner's own values and AdamW state, the reference for rank 0's gathered ones
+    dist.gather_object(owned_state, every)  # each owner's values and AdamW state: what rank 0 must gather
     xa, _ = get_batch("val", 0, 4, CONFIG.block_size, seed=0)
     with torch.no_grad():
         logits, _ = model(xa)  # the distributed forward: owners broadcast, as in training
