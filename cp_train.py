@@ -8,7 +8,8 @@ Per layer per rank, B rows of the micro-step, C = n_embd, fp32 (4 bytes a number
   allgather  all-gather K,V: (cp-1) x 2BTC/cp numbers; backward all-gathers them again (it saves
              only its own) and reduce-scatters dK,dV: 2 x (cp-1) x 2BTC/cp.
   ring       K,V blocks of 2BTC/cp go round the ring, cp-1 sends, each while the previous block
-             is computed; backward: K,V again and the dK,dV accumulators, 2 x (cp-1) x 2BTC/cp.
+             is computed; backward: K,V again, and beside them each block's dK,dV accumulator
+             (fp32), cp sends as it starts at home and returns: (2cp-1) x 2BTC/cp.
   ulysses    all-to-all q,k,v from sequence shards to head shards (full sequence, n_head/cp
              heads) and the output back: (cp-1)/cp x 4BTC/cp numbers; the same in backward.
 Every saved activation is 1/cp of one process's. Causal balance (--load_balance, default): rank r
@@ -69,7 +70,8 @@ def causal_window(q_pos, k_pos):
 
 
 class CPGroup:
-    """The CP group, its ring neighbours (global ranks), every CP rank's positions, my windows."""
+    """The CP group, its ring neighbours (global ranks), every CP rank's positions (owned: this
+    rank's), and this rank's windows."""
     def __init__(self, group, T, zigzag, device):
         self.group = group
         self.size = dist.get_world_size(group)
@@ -78,7 +80,7 @@ class CPGroup:
         self.next = ranks[(self.rank + 1) % self.size]
         self.prev = ranks[(self.rank - 1) % self.size]
         self.positions = [positions(T, self.size, r, zigzag) for r in range(self.size)]
-        self.mine = self.positions[self.rank].to(device)
+        self.owned = self.positions[self.rank].to(device)
         self.windows = []  # this rank's queries against the key block of each CP rank
         for k_pos in self.positions:
             first, keys, mask = causal_window(self.positions[self.rank], k_pos)
@@ -156,6 +158,8 @@ def pass_to_next(tensor, cp):
     """Sends tensor to the next rank of the ring and receives the previous rank's into a new one,
     tensor.numel() numbers each way. Both in one batch_isend_irecv: under NCCL a send may wait for
     its receive, and every rank posting its pair together cannot deadlock."""
+    if cp.size == 1:  # a ring of one rank: the tensor is its own next (gloo cannot send to self)
+        return tensor, []
     received = torch.empty_like(tensor)
     send = dist.P2POp(dist.isend, tensor, cp.next, cp.group)
     receive = dist.P2POp(dist.irecv, received, cp.prev, cp.group)
@@ -197,32 +201,26 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])  # (2, B, nh, T/cp, hs)
         dq = torch.zeros_like(q, dtype=torch.float32)
         scale = q.size(-1) ** -0.5
-        # The block of rank j travels as in forward; its dK,dV accumulator starts on rank j+1 and
-        # follows it, each rank adding its queries' share, until rank j-1 hands it to j, who adds
-        # its own last.
+        # The block of rank j travels as in forward, its dK,dV accumulator beside it, a step behind:
+        # it starts on rank j at zero, each rank adds its queries' share, and rank j-1 sends the sum
+        # home to j.
+        dkv = torch.zeros((), device=q.device)  # my block's accumulator before its first share
+        dkv_works = []
         for i in range(cp.size):
             if i < cp.size - 1:
                 received, works = pass_to_next(kv, cp)
-            if i >= 2:
-                carried_in, carried_works = pass_to_next(carried, cp)
             window = cp.windows[(cp.rank - i) % cp.size]
-            dkv = block_backward(q, kv, window, dout, out, lse, dq, scale, ctx.rests[i])
-            if i >= 2:
-                wait(carried_works)
-            if i == 0:
-                my_dkv = dkv  # my own block: the accumulator's last share, added at the end
-            elif i == 1:
-                carried = dkv  # the block of rank - 1: its accumulator starts here
-            else:
-                carried = carried_in + dkv
+            share = block_backward(q, kv, window, dout, out, lse, dq, scale, ctx.rests[i])
+            wait(dkv_works)  # dkv: the accumulator of this block, from the previous rank
+            sent = share.add_(dkv)  # (2, B, nh, T/cp, hs) fp32; kept until its send completes
+            # 2BTC/cp fp32 numbers to the rank that holds this block next. Every rank posts its
+            # passes in one order (K,V, then the accumulator): each receive meets its send.
+            dkv, dkv_works = pass_to_next(sent, cp)
             if i < cp.size - 1:
                 wait(works)
                 kv = received
-        if cp.size > 1:  # the accumulator of my block, summed over the other cp-1 ranks
-            carried_in, works = pass_to_next(carried, cp)
-            wait(works)
-            my_dkv += carried_in
-        return dq.to(q.dtype), my_dkv[0].to(k.dtype), my_dkv[1].to(v.dtype), None
+        wait(dkv_works)  # dkv: my block's, back with every rank's share
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -412,12 +410,12 @@ class ContextParallel:
 
     def forward_backward(self, x, y, sync):
         """One micro-step on this rank's positions of x, y; returns the mean loss over them."""
-        pos = self.cp.mine  # (T/cp,): this rank's positions, ascending
+        pos = self.cp.owned  # (T/cp,): this rank's positions, ascending
         with activations.first():
             with autocast(self.args, self.device):
                 _, loss = self.model(x[:, pos], y[:, pos], pos)
             # Divided by A*N, backward writes g/(A*N): the buckets' plain sum over the N ranks is
-            # the mean, with no pass to divide (N a power of 2: the same bits as dividing after).
+            # the mean, with no pass to divide (why a sum: docs/design.md).
             N = dist.get_world_size(self.buckets.group)  # the ranks the buckets sum over
             (loss / (self.args.grad_accum_steps * N)).backward()
         if sync:  # the step's last micro-step: the earlier ones only accumulated
@@ -426,7 +424,7 @@ class ContextParallel:
 
     @torch.no_grad()
     def eval_loss(self, x, y):
-        pos = self.cp.mine
+        pos = self.cp.owned
         self.model.eval()
         with autocast(self.args, self.device):
             _, loss = self.model(x[:, pos], y[:, pos], pos)

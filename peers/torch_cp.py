@@ -4,9 +4,10 @@ torch.distributed.tensor.experimental.context_parallel: inside it, SDPA runs as 
 over the CP mesh (set_rotate_method "alltoall": K/V passed round, as cp_train.py's RingAttention;
 "allgather": as its AllGatherAttention), and x, y and the position ids are sharded in place along
 the sequence (its load balancer: the same zigzag chunks as cp_train.py's positions()). torch DDP
-averages the gradients, as cp_train.py's GradientBuckets do. CUDA only (cp_train.py's
-check_cp_args): its sharding rules cover the flash/efficient/cudnn SDPA kernels, not CPU's. Not
-run here (no GPU in this project's CI); written for NCCL, to be checked on one.
+divides each bucket by N and sums it: the mean cp_train.py's GradientBuckets reach by summing the
+gradients of losses divided by N beforehand. CUDA only (cp_train.py's check_cp_args): its
+sharding rules cover the flash/efficient/cudnn SDPA kernels, not CPU's. Not run here (no GPU in
+this project's CI); written for NCCL, to be checked on one.
 These are the methods that differ (the clip too: ContextParallel's takes its own buckets' flat
 buffers); cp_train.py's TorchCP takes the rest (optimizer, checkpoint state) from its
 ContextParallel class, and the model from its sdpa_gpt()."""

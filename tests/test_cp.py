@@ -57,12 +57,12 @@ def _layer_equals_full_attention(groups, T=24):
         for mode, zigzag, fused in MODES_FUSED:
             flash.FUSED = fused
             cp = CPGroup(group, T, zigzag, torch.device("cpu"))
-            local = [t[:, :, cp.mine].clone().requires_grad_() for t in (q, k, v)]
+            local = [t[:, :, cp.owned].clone().requires_grad_() for t in (q, k, v)]
             y = attention(mode, *local, cp)
-            y.backward(dout[:, :, cp.mine])
+            y.backward(dout[:, :, cp.owned])
             flash.FUSED = None
             got, expected = [y] + [t.grad for t in local], [out.detach()] + [t.grad for t in full]
-            diffs[cp_size, mode, zigzag, fused] = _max_relative_diff(got, [b[:, :, cp.mine] for b in expected])
+            diffs[cp_size, mode, zigzag, fused] = _max_relative_diff(got, [b[:, :, cp.owned] for b in expected])
     return diffs
 
 
@@ -116,7 +116,7 @@ def _saved_activations(groups):
         cp = CPGroup(groups[2], 64, zigzag, torch.device("cpu"))
         blocks = torch.nn.Sequential(*CPGPT(config, 0, "cpu", cp, mode).transformer.h)
         with SavedActivations() as saved:
-            out = blocks(x.detach()[:, cp.mine].requires_grad_())
+            out = blocks(x.detach()[:, cp.owned].requires_grad_())
         out.sum().backward()
         result[mode, zigzag] = saved.bytes
     return result
@@ -174,16 +174,16 @@ def test_fused_blocks_equal_the_math_and_full_attention(cp, zigzag, monkeypatch)
     full_lse = (q @ k.transpose(-2, -1) * scale).masked_fill(causal, float("-inf")).logsumexp(-1, keepdim=True)
     for r in range(cp):
         pos, windows = _windows(T, cp, r, zigzag)
-        mine = pos[r]
+        owned = pos[r]
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         full_out = F.scaled_dot_product_attention(*full, is_causal=True)
-        full_out.backward(torch.zeros_like(dout).index_copy(2, mine, dout[:, :, mine]))  # from rank r's rows only
-        expected = [full_out[:, :, mine].detach(), full_lse[:, :, mine], full[0].grad[:, :, mine]]
+        full_out.backward(torch.zeros_like(dout).index_copy(2, owned, dout[:, :, owned]))  # from rank r's rows only
+        expected = [full_out[:, :, owned].detach(), full_lse[:, :, owned], full[0].grad[:, :, owned]]
         expected += [torch.stack([full[1].grad[:, :, p], full[2].grad[:, :, p]]) for p in pos]
         blocks = [torch.stack([k[:, :, p], v[:, :, p]]) for p in pos]  # every rank's [K; V]
         for fused in (False, True):
             monkeypatch.setattr(flash, "FUSED", fused)
-            out, lse, dq, dkv, _ = _blocks_of_rank(q[:, :, mine], dout[:, :, mine], blocks, windows)
+            out, lse, dq, dkv, _ = _blocks_of_rank(q[:, :, owned], dout[:, :, owned], blocks, windows)
             diff = _max_relative_diff([out, lse, dq] + dkv, expected)
             print(f"cp={cp} zigzag={zigzag} rank {r} fused={fused}: max relative difference {diff:.2e}")
             assert diff <= 2e-6, (cp, zigzag, r, fused, diff)
@@ -241,7 +241,7 @@ def test_causal_balance_counted(cp):
     T = 48
     kept, computed = pairs_kept_and_computed(T, cp, zigzag=True)
     assert kept == [T * (T + 1) // (2 * cp)] * cp  # exactly equal, and all of the causal pairs between them
-    assert len(set(computed)) == 1 and computed[0] == (T // cp) ** 2 * (cp + 1) // 2  # the diagonal + half of each other
+    assert len(set(computed)) == 1 and computed[0] == (T // cp) ** 2 * (cp + 1) // 2  # the diagonal + half of the rest
     kept, computed = pairs_kept_and_computed(T, cp, zigzag=False)
     m = T // cp
     assert kept == [r * m * m + m * (m + 1) // 2 for r in range(cp)]
@@ -258,8 +258,10 @@ def test_communication_per_layer_equals_the_formulas(unit):
             kv = 2 * B * T * C // cp  # this rank's K and V
             if mode == "ulysses":
                 assert forward == backward == Fraction((cp - 1) * 4 * B * T * C, cp * cp), (cp, mode, r["sent"])
-            else:  # one all-gather, or cp-1 ring steps; backward twice that (K,V again + dK,dV)
+            elif mode == "allgather":  # one all-gather; backward: it again, and the reduce-scatter of dK,dV
                 assert (forward, backward) == ((cp - 1) * kv, 2 * (cp - 1) * kv), (cp, mode, zigzag, forward, backward)
+            else:  # cp-1 ring steps; backward: K,V again, and each dK,dV accumulator's cp steps home
+                assert (forward, backward) == ((cp - 1) * kv, (2 * cp - 1) * kv), (cp, mode, zigzag, forward, backward)
 
 
 def test_saved_activations_at_cp2_are_at_most_055_of_one_process(unit):
