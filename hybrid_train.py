@@ -15,7 +15,7 @@ Per rank, P parameters, b rows a micro-batch, C = n_embd, 4 bytes a number:
                (SP: an all-gather or reduce-scatter each, the same bytes); the embedding adds 1
                forward; the head 1 backward and the loss all-reduces of b*T/cp and 2b*T/cp.
   cp           per block and micro-batch cp-1 ring sends of K, V (2b*T/cp*C/tp numbers) forward,
-               2(cp-1) backward (K, V again, and the dK, dV accumulators).
+               2cp-1 backward (K, V again, and the dK, dV accumulators: cp hops).
   pp           per micro-batch an activation forward and its gradient back: b*T/cp*C (SP: /tp).
   dp x cp      one all-reduce of the stage's gradients a step (4 bytes a local parameter).
   pp ends      one all-reduce of the tied gradient a step: vocab/tp*C numbers (pp > 1).
@@ -24,14 +24,10 @@ Run:
   python hybrid_train.py                                               # one process: the reference
   torchrun --standalone --nproc_per_node=8 hybrid_train.py --data_parallel_size 2 \\
            --tensor_parallel_size 2 --pipeline_parallel_size 2 --print_grid     # dp2 x tp2 x pp2
-  torchrun --standalone --nproc_per_node=8 hybrid_train.py --tensor_parallel_size 2 \\
-           --pipeline_parallel_size 2 --context_parallel_size 2 --sequence_parallel
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv-backend=c10d \\
            --rdzv-endpoint=HOST:29500 hybrid_train.py --tensor_parallel_size 8 \\
            --pipeline_parallel_size 2                        # TP inside a node, PP across nodes
-  torchrun --standalone --nproc_per_node=4 hybrid_train.py --tensor_parallel_size 2 \\
-           --pipeline_parallel_size 2 --implementation pytorch  # peers/torch_hybrid.py
-The grid's groups, its seams, what is tested and PyTorch's version: docs/hybrid.md.
+The grid's groups, seams, tests and PyTorch's version (peers/torch_hybrid.py): docs/hybrid.md.
 """
 import datetime
 import math
@@ -104,7 +100,8 @@ def grid_error(sizes, world_size):
 
 
 class Grid:
-    """This rank's coordinates, GROUPS' process groups and the pp-ends group, with --timeout_s."""
+    """This rank's coordinates, GROUPS' process groups by name ("dpxcp"), the pp ends' group."""
+
     def __init__(self, dp, pp, cp, tp, timeout):
         self.ranks = rank_grid(dp, pp, cp, tp)
         self.size = dict(zip(AXES, (dp, pp, cp, tp)))
@@ -113,23 +110,16 @@ class Grid:
             return dist.new_subgroups_by_enumeration(groups, timeout=timeout)[0]
         # nccl: each group connects here (new_group inherits setup's device_id), so the pp group's
         # first batch_isend_irecv may be stages 0 and 1 alone; a lazy one would need every rank.
-        self.groups = {axes: my_group(axis_groups(self.ranks, axes)) for axes in GROUPS}
+        self.groups = {"x".join(axes): my_group(axis_groups(self.ranks, axes)) for axes in GROUPS}
         self.tied_group = my_group(tied_pairs(self.ranks)) if pp > 1 else None  # the pp ends
-    def group(self, *axes):
-        return self.groups[axes]
-    def neighbour(self, step):
-        """The global rank at my (dp, cp, tp) place on stage pp + step, or None past an end."""
-        c = self.coords
-        if 0 <= c["pp"] + step < self.size["pp"]:
-            return int(self.ranks[c["dp"], c["pp"] + step, c["cp"], c["tp"]])
-        return None
+
     def table(self):
         """--print_grid: every rank's coordinates and groups, a line each."""
         lines = []
         for rank in range(self.ranks.numel()):
             place = " ".join(f"{a}={i}" for a, i in coordinates(self.ranks, rank).items())
-            mine = [next(g for g in axis_groups(self.ranks, axes) if rank in g) for axes in GROUPS]
-            groups = [f"{'x'.join(axes)} {g}" for axes, g in zip(GROUPS, mine)]
+            groups = [f"{'x'.join(axes)} {g}" for axes in GROUPS
+                      for g in axis_groups(self.ranks, axes) if rank in g]
             lines.append(f"rank {rank}: {place}; " + ", ".join(groups))
         return "\n".join(lines)
 
@@ -155,10 +145,12 @@ def reduce_scatter_seq(x, group):
 
 class CopyToTP(torch.autograd.Function):
     """f: identity forward, all-reduce backward (SP: all-gather the sequence, reduce-scatter)."""
+
     @staticmethod
     def forward(ctx, x, tp):
         ctx.tp = tp
         return all_gather(x, tp.group, dim=1) if tp.sp else x
+
     @staticmethod
     def backward(ctx, grad):
         if ctx.tp.sp:
@@ -170,6 +162,7 @@ class CopyToTP(torch.autograd.Function):
 
 class ReduceFromTP(torch.autograd.Function):
     """g: all-reduce forward, identity backward (SP: reduce-scatter, all-gather)."""
+
     @staticmethod
     def forward(ctx, x, tp):
         ctx.tp = tp
@@ -178,41 +171,44 @@ class ReduceFromTP(torch.autograd.Function):
         x = x.contiguous()
         dist.all_reduce(x, group=tp.group)  # b*L*C numbers: the sum of the tp partial outputs
         return x
+
     @staticmethod
     def backward(ctx, grad):
         return (all_gather(grad, ctx.tp.group, dim=1) if ctx.tp.sp else grad), None
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from (N, vocab/tp) logit slices, one per rank of `group`, as
-    tp_train.py teaches it: log(sum_v exp(z_v - m)) - (z_t - m), m the global max."""
+    """Per-token cross-entropy from (N, V/p) logit slices in their own dtype (bf16 under autocast),
+    one per rank of `group`: loss = log(sum_v exp(z_v - m)) - (z_t - m), m the global max, from
+    one all-reduce (MAX) of N numbers and one (SUM) of 2N: each slice's sum of exp and the target's
+    logit (in one slice only). fp32 only LOSS_CHUNK_ROWS rows at a time: no fp32 copy of the slice
+    exists. Backward sends nothing: d loss / d z = softmax - onehot(t), a chunk at a time."""
+
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
         m = logits.amax(dim=-1).float()  # (N,): exact in any dtype
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # N numbers, for stability
         local = targets - vocab_start
-        mine = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank owns
+        owned = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank holds
         local = local.clamp(0, logits.size(-1) - 1)
         picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float()  # (N,)
-        chunks = zip(logits.split(LOSS_CHUNK_ROWS), m.split(LOSS_CHUNK_ROWS))  # each fp32: m is
+        chunks = zip(logits.split(LOSS_CHUNK_ROWS), m.split(LOSS_CHUNK_ROWS))  # fp32: m is
         sum_exp = torch.cat([(z - m_z.unsqueeze(-1)).exp_().sum(-1) for z, m_z in chunks])
-        sums = torch.stack([sum_exp, torch.where(mine, picked - m, 0.0)])  # (2, N)
+        sums = torch.stack([sum_exp, torch.where(owned, picked - m, 0.0)])  # (2, N)
         dist.all_reduce(sums, group=group)  # 2N numbers: sums of exp, the targets' logits
-        ctx.save_for_backward(logits, m, sums[0], local, mine)
+        ctx.save_for_backward(logits, m + sums[0].log(), local, owned)  # log-sum-exp (N,) fp32
         return sums[0].log() - sums[1]
+
     @staticmethod
     def backward(ctx, grad):
-        logits, m, sum_exp, local, mine = ctx.saved_tensors
+        logits, lse, local, owned = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
-        # g (softmax - onehot), g a row's upstream gradient, |g| folded into the exp (3 passes)
-        shift = m + sum_exp.log() - grad.abs().log()  # (N,) fp32; g = 0: +inf, a row of zeros
         for start in range(0, logits.size(0), LOSS_CHUNK_ROWS):
             rows = slice(start, start + LOSS_CHUNK_ROWS)
-            out = grad_logits[rows]
-            torch.exp(logits[rows] - shift[rows, None], out=out)  # fp32 by promotion
-            target = (mine[rows] * grad[rows].abs()).to(out.dtype)  # -|g| at an owned target
-            out.scatter_add_(-1, local[rows, None], -target[:, None])
-            out.mul_(grad[rows].sign().to(out.dtype)[:, None])  # g < 0 (a negated loss)
+            out = grad_logits[rows]  # a view, written in place in the logits' dtype
+            torch.exp(logits[rows] - lse[rows, None], out=out)  # softmax
+            out.scatter_add_(-1, local[rows, None], -owned[rows, None].to(out.dtype))  # - onehot
+            out.mul_(grad[rows, None])  # times each row's upstream gradient
         return grad_logits, None, None, None
 
 
@@ -235,17 +231,10 @@ def shard(name, full, rank, tp_size):
     return full if dim is None else full.chunk(tp_size, dim=dim)[rank]
 
 
-def unshard(name, shards):
-    """The inverse of shard(): the full tensor from the tp_size slices, in rank order."""
-    if "c_attn" in name:
-        return torch.cat([s.unflatten(0, (3, -1)) for s in shards], dim=1).flatten(0, 1)  # (3C, *)
-    dim = shard_dim(name)
-    return shards[0] if dim is None else torch.cat(shards, dim=dim)
-
-
 class ParallelLinear(nn.Module):
     """Column-parallel: f, then this rank's out_features/tp outputs. Row-parallel: this rank's
     in_features/tp slice of the matmul, summed by g, the bias added once after."""
+
     def __init__(self, tp, in_features, out_features, bias, column):
         super().__init__()
         self.tp, self.column = tp, column
@@ -254,6 +243,7 @@ class ParallelLinear(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
         self.bias = nn.Parameter(torch.empty(self.weight.size(0))) if bias else None
+
     def forward(self, x):
         if self.column:
             return F.linear(CopyToTP.apply(x, self.tp), self.weight, self.bias)
@@ -263,16 +253,18 @@ class ParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """TP rank r looks up the ids in its vocabulary rows, zeroes the others; g sums the ranks."""
+
     def __init__(self, tp, vocab_size, n_embd):
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(vocab_size // tp.size, n_embd))
         self.vocab_start = tp.rank * (vocab_size // tp.size)
+
     def forward(self, idx):
         local = idx - self.vocab_start
-        mine = (local >= 0) & (local < self.weight.size(0))
+        owned = (local >= 0) & (local < self.weight.size(0))  # ids whose row this rank holds
         rows = F.embedding(local.clamp(0, self.weight.size(0) - 1), self.weight)
-        return ReduceFromTP.apply(rows * mine.unsqueeze(-1), self.tp)
+        return ReduceFromTP.apply(rows * owned.unsqueeze(-1), self.tp)
 
 
 # ---- CP: ring attention with the zigzag split (cp_train.py has the full lesson) ---------------
@@ -288,13 +280,14 @@ def causal_window(q_pos, k_pos):
 
 class CPGroup:
     """The CP group, its ring neighbours (global ranks), my positions and my windows."""
+
     def __init__(self, group, T, device):
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
         chunks = torch.arange(T).chunk(2 * self.size)  # zigzag: rank r holds r and 2cp-1-r
         every = [torch.cat([chunks[r], chunks[-1 - r]]) for r in range(self.size)]  # ascending
-        self.mine = every[self.rank].to(device)
+        self.positions = every[self.rank].to(device)
         self.windows = []  # ring step i's: my queries against the key block of CP rank - i
         for i in range(self.size):
             first, keys, mask = causal_window(every[self.rank], every[(self.rank - i) % self.size])
@@ -367,6 +360,7 @@ def wait(works):
 
 class RingAttention(torch.autograd.Function):
     """Causal attention of my queries over every CP rank's keys: K, V blocks go round the ring."""
+
     @staticmethod
     def forward(ctx, q, k, v, cp):
         kv = torch.stack([k, v])  # (2, b, nh/tp, T/cp, hs): my TP rank's heads only
@@ -381,42 +375,39 @@ class RingAttention(torch.autograd.Function):
             kv = received
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
+
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        cp = ctx.cp
+        (q, k, v, out, lse), cp = ctx.saved_tensors, ctx.cp
         kv = torch.stack([k, v])
         dq = torch.zeros_like(q, dtype=torch.float32)
         scale = q.size(-1) ** -0.5
-        my_dkv = carried = None
-        # Block j's dK, dV accumulator follows it round the ring from rank j+1 back to j.
+        dkv, dkv_works = torch.zeros((), device=q.device), []  # my block's accumulator: zero yet
+        # Block j's dK, dV accumulator follows it round the ring, a step behind: from j back to j.
         for i in range(cp.size):
             received, works = pass_to_next(kv, cp) if i < cp.size - 1 else (kv, [])
-            carried_in, carried_works = pass_to_next(carried, cp) if i >= 2 else (None, [])
-            dkv = block_backward(q, kv, cp.windows[i], dout, out, lse, dq, scale, ctx.rests[i])
-            wait(carried_works)
-            if i == 0:
-                my_dkv = dkv
-            else:
-                carried = dkv if i == 1 else carried_in + dkv
+            share = block_backward(q, kv, cp.windows[i], dout, out, lse, dq, scale, ctx.rests[i])
+            wait(dkv_works)  # dkv: this block's accumulator, from rank - 1
+            sent = share.add_(dkv)  # kept until its send completes
+            dkv, dkv_works = pass_to_next(sent, cp)  # 2BTC/cp fp32 to the block's next holder
             wait(works)
             kv = received
-        carried_in, works = pass_to_next(carried, cp)  # my block's accumulator, from rank + 1
-        wait(works)
-        my_dkv += carried_in
-        return dq.to(q.dtype), my_dkv[0].to(k.dtype), my_dkv[1].to(v.dtype), None
+        wait(dkv_works)  # my block's accumulator, back with every rank's share
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
 # ---- the stage: a TP-sharded, CP-attending piece of the GPT ------------------------------------
 
 class HybridAttention(nn.Module):
     """Attention on this TP rank's n_head/tp heads over this CP rank's T/cp positions."""
+
     def __init__(self, tp, cp, config):
         super().__init__()
         self.c_attn = ParallelLinear(tp, config.n_embd, 3 * config.n_embd, config.bias, column=True)
         self.c_proj = ParallelLinear(tp, config.n_embd, config.n_embd, config.bias, column=False)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head, self.dropout, self.cp = config.n_head // tp.size, config.dropout, cp
+
     def forward(self, x):  # (b, T/cp, C), or (b, T/cp/tp, C) with SP
         qkv = self.c_attn(x)  # (b, T/cp, 3C/tp): my heads' q, k, v at my CP positions
         b, L, _ = qkv.shape
@@ -424,6 +415,7 @@ class HybridAttention(nn.Module):
         q, k, v = (t.view(b, L, self.n_head, -1).transpose(1, 2) for t in qkv.chunk(3, dim=2))
         y = self.attend(q, k, v).transpose(1, 2).reshape(b, L, -1)  # (b, T/cp, C/tp)
         return self.resid_dropout(self.c_proj(y))
+
     def attend(self, q, k, v):
         """The attention core: the CP ring; with cp = 1, SDPA (which has dropout)."""
         if self.cp.size > 1:
@@ -435,6 +427,7 @@ class HybridAttention(nn.Module):
 class StageGPT(nn.Module):
     """Pipeline stage `stage` of GPT (GPT's names), wte/wpe first, ln_f and the head last: this TP
     rank's shards of init_tensor's values or of `state`. The head: wte, or with pp > 1 lm_head."""
+
     def __init__(self, tp, cp, config, stage, n_stages, seed, device, state=None):
         super().__init__()
         self.tp = tp
@@ -460,15 +453,17 @@ class StageGPT(nn.Module):
                 self.lm_head = nn.Linear(C, V // tp.size, bias=False)
         self.to_empty(device=device)
         self.vocab_start = tp.rank * (V // tp.size)
-        full_shapes = dict(GPT(config, device="meta").named_parameters())
+        self.full_shapes = {n: p.shape for n, p in GPT(config, device="meta").named_parameters()}
         with torch.no_grad():  # one full tensor at a time, keeping this rank's slice
             for name, p in self.named_parameters():
                 name = WTE_NAME if name == "lm_head.weight" else name  # the copy starts as wte
-                shape = full_shapes[name].shape
+                shape = self.full_shapes[name]
                 value = state[name] if state is not None else init_tensor(name, shape, config, seed)
                 p.copy_(shard(name, value, tp.rank, tp.size))
+
     def head(self):
         return self.lm_head.weight if hasattr(self, "lm_head") else self.transformer.wte.weight
+
     def forward(self, x, targets, pos):
         """x: token ids (first stage) or the stage before's output; the last stage: my mean loss."""
         if self.first:  # (b, T/cp, C), with SP reduce-scattered to (b, T/cp/tp, C)
@@ -484,41 +479,29 @@ class StageGPT(nn.Module):
                                                self.tp.group).mean()
 
 
-# ---- the strategy behind the loop's methods: DP's buckets, the grid, the stage, 1F1B -----------
+# ---- the strategy behind the loop's methods: DP's flat gradients, the grid, the stage, 1F1B --
 
-class GradientBuckets:
-    """DP over dp x cp, as ddp_train.py: flat buffers that the .grads are views of, all-reduced
-    (async, bucket_cap_mb each) after the step's last backward; under 1F1B a hook hides little."""
-    def __init__(self, params, bucket_cap_mb, group):
-        self.group, self.buffers = group, []
-        bucket, size = [], 0
-        for p in params + [None]:  # None: the end, which closes the last bucket
-            if bucket and (p is None or size + 4 * p.numel() > bucket_cap_mb * 2**20):
-                buffer = torch.zeros(size // 4, device=bucket[0].device)
-                for q, view in zip(bucket, buffer.split([q.numel() for q in bucket])):
-                    q.grad = view.view_as(q)
-                self.buffers.append(buffer)
-                bucket, size = [], 0
-            if p is not None:
-                bucket.append(p)
-                size += 4 * p.numel()
-    def all_reduce(self):
-        # numel x 4 bytes a bucket; each rank's loss was divided by the group size: sum = mean
-        wait([dist.all_reduce(buffer, group=self.group, async_op=True) for buffer in self.buffers])
+def flat_grads(params):
+    """One flat fp32 buffer that the .grads of params are views of: autograd accumulates straight
+    into it, and its all-reduce needs no copy in or out."""
+    buffer = torch.zeros(sum(p.numel() for p in params), device=params[0].device)
+    for p, view in zip(params, buffer.split([p.numel() for p in params])):
+        p.grad = view.view_as(p)
+    return buffer
 
 
 class Hybrid:
     """This rank's grid place: a TP shard of a stage's blocks, its CP positions, its DP rows."""
+
     def __init__(self, config, args, device, state=None):
         self.config, self.args, self.device = config, args, device
         sizes = [getattr(args, SIZE_FLAGS[axis]) for axis in AXES]
         self.grid = Grid(*sizes, timeout=datetime.timedelta(seconds=args.timeout_s))
         if args.print_grid and dist.get_rank() == 0:
             print(self.grid.table(), flush=True)
-        tp_group = self.grid.group("tp")
-        self.tp = types.SimpleNamespace(group=tp_group, size=dist.get_world_size(tp_group),
-                                        rank=dist.get_rank(tp_group), sp=args.sequence_parallel)
-        self.cp = CPGroup(self.grid.group("cp"), args.block_size, device)
+        self.tp = types.SimpleNamespace(group=self.grid.groups["tp"], size=self.grid.size["tp"],
+                                        rank=self.grid.coords["tp"], sp=args.sequence_parallel)
+        self.cp = CPGroup(self.grid.groups["cp"], args.block_size, device)
         self.M = args.n_microbatches
         stage, n_stages = self.grid.coords["pp"], self.grid.size["pp"]
         self.n_warmup = min(n_stages - 1 - stage, self.M)  # 1F1B: the forwards before the first B
@@ -528,15 +511,17 @@ class Hybrid:
         compile_forward(blocks, args.compile, BLOCK_LINEARS + ("attn.attend",))
         # full: a block's recompute runs its f, g and the CP ring again, at the B of its micro-batch
         checkpoint_blocks(blocks, args.activation_checkpointing)
-        dp_cp = self.grid.group("dp", "cp")
-        self.buckets = GradientBuckets(list(self.model.parameters()), args.bucket_cap_mb, dp_cp)
+        self.grads = flat_grads(list(self.model.parameters()))  # DP's one all-reduce, as ep's
         # a micro-batch is 1/(M*A) of my rows, the dp*cp ranks summed hold equal shares: sum = mean
-        self.loss_scale = 1 / (self.M * args.grad_accum_steps * dist.get_world_size(dp_cp))
-        self.prev_stage, self.next_stage = self.grid.neighbour(-1), self.grid.neighbour(1)
-        self.pos = self.cp.mine  # my tokens' positions; with SP my TP rank's share of them
+        self.loss_scale = 1 / (self.M * args.grad_accum_steps * self.grid.size["dp"] * self.cp.size)
+        pp_group = self.grid.groups["pp"]  # my stage's neighbours (global ranks), None past an end
+        self.prev_stage = None if self.model.first else dist.get_global_rank(pp_group, stage - 1)
+        self.next_stage = None if self.model.last else dist.get_global_rank(pp_group, stage + 1)
+        self.pos = self.cp.positions  # my tokens' positions; with SP my TP rank's share of them
         if args.sequence_parallel:
-            self.pos = self.cp.mine.chunk(self.tp.size)[self.tp.rank]
+            self.pos = self.cp.positions.chunk(self.tp.size)[self.tp.rank]
         self.loss_ranks = dist.get_world_size() // n_stages  # the last stage's, a mean each
+
     def configure_optimizer(self, args, state=None):
         named = list(self.model.named_parameters())
         betas = (args.beta1, args.beta2)
@@ -544,37 +529,37 @@ class Hybrid:
         if state:  # a checkpoint's AdamW state, keyed by GPT name: this rank's piece of it
             for name, p in named:
                 name = WTE_NAME if name == "lm_head.weight" else name
-                piece = lambda full, n=name: shard(n, full, self.tp.rank, self.tp.size)
-                set_adamw_state(optimizer, p, state[name],
-                                lambda full, piece=piece: piece(full).to(self.device, copy=True))
+                set_adamw_state(optimizer, p, state[name], lambda full, n=name: shard(
+                    n, full, self.tp.rank, self.tp.size).to(self.device, copy=True))
         return optimizer
-    def exchange(self, send_forward=None, send_backward=None, recv_forward=False,
-                 recv_backward=False, shape=None):
-        """b x T/cp x C numbers (SP: /tp) each: an output to the next stage, an input's gradient to
-        the one before, posted together (NCCL: a send may wait for its receive)."""
-        group, ops, received = self.grid.group("pp"), [], [None, None]
-        for tensor, peer in ((send_forward, self.next_stage), (send_backward, self.prev_stage)):
-            if tensor is not None and peer is not None:
-                ops.append(dist.P2POp(dist.isend, tensor, peer, group))
-        for i, (wanted, peer) in enumerate([(recv_forward, self.prev_stage),
-                                            (recv_backward, self.next_stage)]):
-            if wanted and peer is not None:
-                received[i] = torch.empty(shape, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, received[i], peer, group))
-        if ops:
-            wait(dist.batch_isend_irecv(ops))
+
+    def p2p(self, peer, send=None, shape=None):
+        """With the neighbouring stage `peer` (None past an end): `send`, and a receive of `shape`,
+        posted together (NCCL: a send may wait for its receive); b x T/cp x C numbers (SP: /tp)."""
+        if peer is None:
+            return None
+        ops, received = [], None
+        if send is not None:
+            ops.append(dist.P2POp(dist.isend, send, peer, self.grid.groups["pp"]))
+        if shape is not None:
+            received = torch.empty(shape, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, received, peer, self.grid.groups["pp"]))
+        wait(dist.batch_isend_irecv(ops))
         return received
+
     def forward_backward(self, x, y, sync):
         """One micro-step; returns its loss on the last stage, else 0."""
         loss = self.one_f_one_b(x, y, self.n_warmup)
         if sync:  # else accumulate only (DDP's no_sync)
-            self.buckets.all_reduce()
+            # my gradients, 4 bytes a local parameter, summed over dp x cp (loss_scale: sum = mean)
+            dist.all_reduce(self.grads, group=self.grid.groups["dpxcp"])
             self.finish_gradients()
         return loss
+
     def one_f_one_b(self, x, y, n_warmup):
         """M micro-batches through this stage by 1F1B, as pp_train.py: n_warmup forwards (M: only
         forwards, evaluation), one forward one backward, then backwards. Returns the loss."""
-        xs, ys = x[:, self.cp.mine].chunk(self.M), y[:, self.cp.mine].chunk(self.M)
+        xs, ys = x[:, self.cp.positions].chunk(self.M), y[:, self.cp.positions].chunk(self.M)
         shape = (xs[0].size(0), len(self.pos), self.config.n_embd)
         stash = []  # (input, output) of each micro-batch between its F and its B
         loss_sum = torch.zeros((), device=self.device)
@@ -589,29 +574,29 @@ class Hybrid:
             return None if self.model.last else out.detach()
         def backward(i, grad_out):
             inp, out = stash.pop(0)
-            torch.autograd.backward(out, grad_out)  # accumulates into the buckets
+            torch.autograd.backward(out, grad_out)  # accumulates into self.grads
             return None if self.model.first else inp.grad
 
         for i in range(n_warmup):
-            received, _ = self.exchange(recv_forward=True, shape=shape)
-            self.exchange(send_forward=forward(i, received))
+            received = self.p2p(self.prev_stage, shape=shape)
+            self.p2p(self.next_stage, send=forward(i, received))
         n_steady = self.M - n_warmup
         if n_steady:
-            received, _ = self.exchange(recv_forward=True, shape=shape)
+            received = self.p2p(self.prev_stage, shape=shape)
         for i in range(n_steady):
-            out = forward(n_warmup + i, received)
-            _, grad_out = self.exchange(send_forward=out, recv_backward=True, shape=shape)
+            grad_out = self.p2p(self.next_stage, send=forward(n_warmup + i, received), shape=shape)
             grad_in = backward(i, grad_out)
             last = i == n_steady - 1
-            received, _ = self.exchange(send_backward=grad_in, recv_forward=not last, shape=shape)
+            received = self.p2p(self.prev_stage, send=grad_in, shape=None if last else shape)
         if not torch.is_grad_enabled():  # evaluation: the M forwards were all there is
             return loss_sum
         for i in range(n_steady, self.M):
-            _, grad_out = self.exchange(recv_backward=True, shape=shape)
-            self.exchange(send_backward=backward(i, grad_out))
+            grad_out = self.p2p(self.next_stage, shape=shape)
+            self.p2p(self.prev_stage, send=backward(i, grad_out))
         return loss_sum
+
     def finish_gradients(self):
-        """After the buckets: SP's partial gradients summed over TP, the tied ones over pp ends."""
+        """After DP's sum: SP's partial gradients summed over TP, the tied ones over pp ends."""
         if self.tp.sp:  # the replicated parameters saw this rank's sequence shard: partial sums
             grads = [p.grad for n, p in self.model.named_parameters() if shard_dim(n) is None]
             flat = torch.cat([grad.reshape(-1) for grad in grads])
@@ -620,34 +605,35 @@ class Hybrid:
                 grad.copy_(flat_grad.view_as(grad))
         if self.grid.tied_group is not None and (self.model.first or self.model.last):
             dist.all_reduce(self.model.head().grad, group=self.grid.tied_group)  # vocab/tp*C
+
     @torch.no_grad()
     def eval_loss(self, x, y):
         self.model.eval()
         loss = self.one_f_one_b(x, y, self.M)  # forwards only
         self.model.train()
         return loss
+
     def clip_grad_norm_(self, max_norm):
         # squares summed over (pp, tp): a replicated gradient on TP rank 0 only, lm_head's never
         named = list(self.model.named_parameters())
         counted = [p.grad for n, p in named if n != "lm_head.weight"
                    and (shard_dim(n) is not None or self.tp.rank == 0)]
-        norm = clip_grad_norm_(counted, [], 0, self.grid.group("pp", "tp"))  # 0: measure only
+        norm = clip_grad_norm_(counted, [], 0, self.grid.groups["ppxtp"])  # 0: measure only
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_([p for _, p in named], max_norm, norm)
         return norm
+
     def full_tensor(self, name, tensor):
-        """The whole tensor: a TP-sharded one all-gathered from my TP group."""
+        """The whole tensor: a TP-sharded one all-gathered from my TP group (shard()'s inverse)."""
         if self.tp.size == 1 or tensor.dim() == 0 or shard_dim(name) is None:
             return tensor
-        return unshard(name, all_gather(tensor, self.tp.group, dim=0).chunk(self.tp.size))
-    def full_shape(self, name, tensor):
-        """The shape of the whole tensor that full_tensor() gathers."""
-        shape = list(tensor.shape)
-        if tensor.dim() and shard_dim(name) is not None:
-            shape[shard_dim(name)] *= self.tp.size
-        return shape
+        if "c_attn" in name:  # each rank's q, k and v rows: gathered within each of the three
+            return all_gather(tensor.unflatten(0, (3, -1)), self.tp.group, dim=1).flatten(0, 1)
+        return all_gather(tensor, self.tp.group, dim=shard_dim(name))
+
     def full_state(self, optimizer):
         return gather_full_state(self, optimizer)  # checkpoint plumbing: after main()
+
     def describe(self):
         sizes = " x ".join(f"{axis} {self.grid.size[axis]}" for axis in AXES)
         mib = held_bytes(self.model.parameters()) / 2**20
@@ -668,7 +654,6 @@ def add_hybrid_flags(group):
     add_bool(group, "--sequence_parallel", False, "TP: split the activations by sequence (SP)")
     group.add_argument("--n_microbatches", type=int, default=None,
                        help="PP: micro-batches per micro-step (default 4; 1 without PP)")
-    group.add_argument("--bucket_cap_mb", type=float, default=25.0, help="DP: bucket size (MiB)")
     add_bool(group, "--print_grid", False, "print every rank's coordinates and groups")
 
 
@@ -696,8 +681,8 @@ def check_hybrid_args(args, world_size):
             "attention dropout; tp_train.py shows TP's two dropout streams)")
     if args.n_microbatches is None:
         args.n_microbatches = 4 if pp > 1 else 1
-    if args.n_microbatches <= 0 or args.bucket_cap_mb <= 0:
-        die("--n_microbatches, --bucket_cap_mb: must be > 0")
+    if args.n_microbatches <= 0:
+        die("--n_microbatches: must be > 0")
     if args.batch_size % (dp * args.grad_accum_steps * args.n_microbatches):
         die(f"--batch_size: {args.batch_size} must be divisible by --data_parallel_size ({dp}) x "
             f"--grad_accum_steps ({args.grad_accum_steps}) x --n_microbatches "
@@ -799,8 +784,9 @@ def gather_full_state(hybrid, optimizer):
         values = {"param": p.detach(), **optimizer.state.get(p, {})}  # step: a CPU scalar
         for key, value in values.items():
             value = value.to(hybrid.device)
+            shape = hybrid.model.full_shapes[name] if value.dim() else value.shape  # step: ()
             make = lambda name=name, value=value: hybrid.full_tensor(name, value)
-            entries.append((name, key, hybrid.full_shape(name, value), value.dtype, make))
+            entries.append((name, key, shape, value.dtype, make))
     return gather_to_rank0(entries, c["tp"] == 0, hybrid.config, hybrid.device)
 
 

@@ -5,17 +5,17 @@ init_device_mesh(dp, pp, cp, tp) lays the ranks out as hybrid_train.py's grid an
 peers/torch_tp.py's plan (StageGPT's ColumnParallelLinear, RowParallelLinear,
 VocabParallelEmbedding, SP's LayerNorms), and loss_parallel() computes the vocab-parallel
 cross-entropy (VocabParallelCrossEntropy); torch.distributed.pipelining's PipelineStage and
-Schedule1F1B run the stages (Hybrid.exchange and its 1F1B loop). The tied wte/lm_head's two ends
+Schedule1F1B run the stages (Hybrid.p2p and its 1F1B loop). The tied wte/lm_head's two ends
 sum their local shards' gradients, as Hybrid.finish_gradients does.
-DP is one flat all-reduce (AVG) of the local gradients over the mesh's dp group after the last
-micro-step (GradientBuckets without the overlap, as tp_train.py's peer does). FSDP2's replicate
+DP is one flat all-reduce (a SUM: each loss is pre-divided by dp) of the local gradients over the
+mesh's dp group after the last micro-step, as Hybrid's. FSDP2's replicate
 (torch.distributed._composable.replicate_with_fsdp), which the pipeline stage knows, gives the
 same losses, but on torch 2.13 its hooks keep the dp group alive past destroy_process_group
 (teardown's warning); fully_shard would shard the stage over dp, which the checkpoint gathering
 and the norm here do not expect.
 CP: torch's context_parallel needs CUDA's SDPA kernels and is not composed with the pipeline here:
 --context_parallel_size > 1 is one error (check_args). These are the methods that differ;
-hybrid_train.py's TorchHybrid takes the rest (describe, gather_full_state) from its Hybrid class."""
+hybrid_train.py's TorchHybrid takes the rest (describe, full_state) from its Hybrid class."""
 import types
 from functools import partial
 
@@ -84,10 +84,12 @@ class TorchStage(nn.Module):
     on the first stage, ln_f and lm_head on the last. lm_head is wte itself on a single stage,
     else a copy of it. Every rank builds its stage whole from init_tensor or the full state_dict
     `state`; parallelize_stage() then keeps its TP rank's pieces."""
+
     def __init__(self, config, stage, n_stages, tp_size, seed, device, state=None):
         super().__init__()
         self.first, self.last = stage == 0, stage == n_stages - 1
         full = GPT(config, device="meta")
+        self.full_shapes = {n: p.shape for n, p in full.named_parameters()}  # for the checkpoint
         per_stage = config.n_layer // n_stages
         blocks = {}
         for i in range(stage * per_stage, (stage + 1) * per_stage):
@@ -112,8 +114,7 @@ class TorchStage(nn.Module):
                 if state is not None:
                     value = state[name]
                 else:
-                    value = init_tensor(name, dict(full.named_parameters())[name].shape, config,
-                                        seed)
+                    value = init_tensor(name, self.full_shapes[name], config, seed)
                 if "c_attn" in name:
                     value = rank_ordered(value, tp_size)
                 p.copy_(value)
@@ -199,8 +200,9 @@ class TorchHybrid:
             self.tied_group, _ = dist.new_subgroups_by_enumeration(ends)
         pipeline_stage = PipelineStage(self.model, stage, n_stages, device,
                                        group=self.mesh.get_group("pp"))
-        # Pre-scaled like Hybrid's loss (a micro-batch is 1/(M*A) of the rows), the dp mean below
-        self.loss_scale = 1.0 / (args.grad_accum_steps * self.M)
+        # Pre-scaled like Hybrid's loss: a micro-batch is 1/(M*A) of my rows, and the dp ranks
+        # summed hold equal shares, so the dp sum of the gradients below is their mean
+        self.loss_scale = 1.0 / (args.grad_accum_steps * self.M * sizes["dp"])
         self.schedule = Schedule1F1B(pipeline_stage, self.M, loss_fn=self.scaled_loss,
                                      scale_grads=False)
         self.loss_ranks = sizes["dp"] * sizes["cp"] * sizes["tp"]
@@ -235,14 +237,15 @@ class TorchHybrid:
         """run: the schedule's step (forwards and backwards) or eval (forwards only), over M
         micro-batches of x (token ids, into the first stage) and y (targets, for the last stage's
         loss). Returns the mean of their losses on the last stage, else 0."""
-        losses = []  # each scaled by 1/(M*A)
+        losses = []  # each scaled by 1/(M*A*dp)
         inputs = [x] if self.model.first else []
         targets = dict(target=y, losses=losses) if self.model.last else {}
         with loss_parallel(), autocast(self.args, self.device):  # loss_parallel: backward too
             run(*inputs, **targets)
         if not self.model.last:
             return torch.zeros((), device=self.device)
-        return torch.stack(losses).sum().detach().float() * self.args.grad_accum_steps
+        scale_back = self.args.grad_accum_steps * self.grid.size["dp"]  # loss_scale less its 1/M
+        return torch.stack(losses).sum().detach().float() * scale_back
 
     def forward_backward(self, x, y, sync):
         with activations.first():
@@ -253,7 +256,7 @@ class TorchHybrid:
 
     def finish_gradients(self):
         """After the last micro-step: each gradient in its parameter's placement (SP's partial
-        sums summed over TP), averaged over dp (one flat all-reduce, 4 bytes a local parameter),
+        sums summed over TP), summed over dp (one flat all-reduce, 4 bytes a local parameter),
         and the tied wte/lm_head's two ends summed (vocab/tp*C numbers)."""
         params = list(self.model.parameters())
         for p in params:
@@ -262,7 +265,7 @@ class TorchHybrid:
         grads = [local(p.grad) for p in params]
         if self.grid.size["dp"] > 1:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.dp_group)
+            dist.all_reduce(flat, group=self.dp_group)  # pre-divided by dp: sum = mean
             for g, flat_g in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(flat_g.view_as(g))
         if self.tied_group is not None and (self.model.first or self.model.last):
@@ -291,9 +294,6 @@ class TorchHybrid:
             for p in self.model.parameters():
                 local(p.grad).mul_(clip)
         return norm
-
-    def full_shape(self, name, tensor):
-        return list(tensor.shape)  # a DTensor's shape is the full one
 
     def full_tensor(self, name, tensor):
         if isinstance(tensor, DTensor):  # all-gathers over TP

@@ -128,12 +128,13 @@ def _gradients_vs_one_process(rank, world_size, sequence_parallel):
     reference(x, y)[1].backward()
     full = dict(reference.named_parameters())  # the tied wte/lm_head once
     tp = strategy.tp
-    diffs = {}
+    diffs, whole = {}, {}
     for name, p in strategy.model.named_parameters():
         expected = shard(name, full[name].grad, tp.rank, tp.size)
         diffs[name] = (p.grad - expected).abs().max().item()
+        whole[name] = torch.equal(strategy.full_tensor(name, p.detach()), full[name].detach())  # the checkpoint's
     ref_norm = torch.stack([p.grad.square().sum() for p in full.values()]).sum().sqrt().item()
-    return diffs, sorted(full), norm, ref_norm
+    return diffs, sorted(full), norm, ref_norm, whole
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +145,12 @@ def gradients():
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sequence_parallel"])
 def test_gradients_equal_one_process(gradients, sequence_parallel):
     """Every rank holds its TP slice of every gradient of one process on the whole batch (the tied wte/lm_head: its
-    vocabulary rows of both paths' sum): the dp x cp buckets' mean, with SP the replicated parameters' TP sum. A
-    gradient off by a factor of the loss scale's M*A*dp*cp fails here, as the losses of a clipped AdamW run cannot."""
+    vocabulary rows of both paths' sum): the dp x cp sum, with SP the replicated parameters' TP sum. A gradient off
+    by a factor of the loss scale's M*A*dp*cp fails here, as the losses of a clipped AdamW run cannot. And
+    full_tensor(), which the checkpoint gathers with, gives back every whole parameter (c_attn's q, k, v in order)."""
     for rank, r in enumerate(gradients):
-        diffs, names, norm, ref_norm = r[sequence_parallel]
+        diffs, names, norm, ref_norm, whole = r[sequence_parallel]
+        assert all(whole.values()), (rank, [name for name, same in whole.items() if not same])
         assert sorted(diffs) == names, (rank, sorted(diffs))  # a single stage: every gradient, nothing more
         worst = max(diffs, key=diffs.get)
         assert diffs[worst] <= 1e-6, (rank, worst, diffs[worst])
@@ -169,13 +172,13 @@ def _ring(rank, world_size, T=24, B=2, H=2, D=8):
     diffs = {}
     for fused in (False, True):
         flash.FUSED = fused
-        local = [t[:, :, cp.mine].clone().requires_grad_() for t in (q, k, v)]
+        local = [t[:, :, cp.positions].clone().requires_grad_() for t in (q, k, v)]
         y = RingAttention.apply(*local, cp)
-        y.backward(dout[:, :, cp.mine])
+        y.backward(dout[:, :, cp.positions])
         flash.FUSED = None
         got = [y] + [t.grad for t in local]
         expected = [out.detach()] + [t.grad for t in full]
-        diffs[fused] = max(((a - b[:, :, cp.mine]).abs().max() / b[:, :, cp.mine].abs().max()).item()
+        diffs[fused] = max(((a - b[:, :, cp.positions]).abs().max() / b[:, :, cp.positions].abs().max()).item()
                            for a, b in zip(got, expected))
     return diffs
 
@@ -210,7 +213,7 @@ def _ledger(world_size, sequence_parallel):
     config = gpt_config(args)
     model = hybrid_train.Hybrid(config, args, torch.device("cpu"))
     optimizer = model.configure_optimizer(args)
-    axis_of = {id(group): "x".join(axes) for axes, group in model.grid.groups.items()}
+    axis_of = {id(group): name for name, group in model.grid.groups.items()}
     axis_of[id(model.grid.tied_group)] = "pp ends"
     moved = []  # (axis, op, numel of the tensor the rank passes in)
 
@@ -287,8 +290,9 @@ def test_collective_bytes_per_axis_follow_the_docstring(ledger):
             assert tp_ops == sorted(expected + replicated), place
         else:
             assert tp_ops == sorted(n_pairs * [("all_reduce", act)] + loss), place
-        # cp: per block and micro-batch, cp-1 ring sends of my heads' K, V forward, 2(cp-1) backward
-        assert by_axis["cp"] == M * L * 3 * (cp - 1) * [("send", 2 * act // tp)], place
+        # cp: per block and micro-batch, cp-1 ring sends of my heads' K, V forward, cp-1 backward, and cp of the dK, dV
+        # accumulators (each block's from its rank round the ring and home)
+        assert by_axis["cp"] == M * L * (3 * cp - 2) * [("send", 2 * act // tp)], place
         # pp: one activation to the next stage and one gradient to the one before, per micro-batch
         message = act // tp if sp else act
         assert by_axis["pp"] == M * (int(not last) + int(not first)) * [("send", message)], place
