@@ -45,7 +45,7 @@ from common.metrics import MFU, Metrics, Profiler, model_state_bytes, timers
 from common.model import GPT, compile_forward, configure_optimizer
 from common.model import cross_entropy, init_tensor
 from common.recompute import checkpoint_blocks
-from common.schedule_report import ScheduleReport, stage_plan
+from common.schedule_report import ScheduleReport
 import peers.torch_pp
 
 ZERO_BUBBLE = ("zb1p", "zbv")  # pp_zb_train.py's schedules: refused here by name
@@ -53,66 +53,25 @@ ZERO_BUBBLE = ("zb1p", "zbv")  # pp_zb_train.py's schedules: refused here by nam
 WTE_NAME = "transformer.wte.weight"  # lm_head.weight is tied to it: the last stage holds a copy
 
 
-# ---- the strategy: stages, schedules, and the executor that runs them with send/recv ---------
-
-class Stage(nn.Module):
-    """Global stage `index` of `n_stages`: its blocks (named as in GPT, e.g. transformer.h.2, so
-    checkpoints and optimizer state keep GPT's names), plus wte/wpe on the first stage and ln_f on
-    the last. `head`: the rows of the tied wte this stage's lm_head holds (a copy unless the stage
-    also holds wte): all of them on the last stage, else None. Only these tensors get storage, from
-    the full checkpoint `state` or GPT's init."""
-
-    def __init__(self, config, index, n_stages, blocks, head, state, seed, device):
-        super().__init__()
-        full = GPT(config, device="meta").transformer  # the whole model without storage
-        self.first = index == 0
-        self.last = index == n_stages - 1
-        pieces = dict(h=nn.ModuleDict({str(i): full.h[i] for i in blocks}))
-        if self.first:
-            pieces.update(wte=full.wte, wpe=full.wpe, drop=full.drop)
-        if self.last:
-            pieces.update(ln_f=full.ln_f)
-        self.transformer = nn.ModuleDict(pieces)
-        if head is not None:  # its own Parameter: a copy of wte's rows (unless tied below)
-            n_rows = head.stop - head.start
-            self.lm_head = nn.Linear(config.n_embd, n_rows, bias=False, device="meta")
-        self.to_empty(device=device)
-        if self.first and self.last:
-            self.lm_head.weight = self.transformer.wte.weight  # one stage: the tie is one tensor
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                rows = slice(None)
-                if name == "lm_head.weight":  # the copy of wte starts from wte's rows
-                    name, rows = WTE_NAME, head
-                if state is not None:
-                    value = state[name]
-                else:
-                    shape = (config.vocab_size, config.n_embd) if name == WTE_NAME else param.shape
-                    value = init_tensor(name, shape, config, seed)
-                param.copy_(value[rows])
-
-    def forward(self, x, targets=None):  # token ids on the first stage, else an activation
-        if self.first:
-            pos = torch.arange(x.size(1), device=x.device)
-            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
-        for block in self.transformer.h.values():
-            x = block(x)
-        if not self.last:
-            return x
-        x = self.transformer.ln_f(x)
-        logits = self.lm_head(x)  # the last stage: logits, or their mean loss
-        if targets is None:
-            return logits
-        return cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, vocab)
-
-
 # ---- the strategy: the schedules, as data ----------------------------------------------------
+#
+# Each rank's order of forwards (F2: micro-batch 2's) and backwards, with pp_size = 2 ranks and
+# M = 4 micro-batches, on a clock of equal steps ('.': idle), as schedule_actions lists them and
+# timetable lays them out (--print_schedule prints a run's own at its start; tests/test_pp.py
+# checks this one against the code):
+#   gpipe   rank 0 | F0 F1 F2 F3 .  .  B0 B1 B2 B3
+#           rank 1 | .  F0 F1 F2 F3 B0 B1 B2 B3 .
+#   1f1b    rank 0 | F0 F1 .  B0 F2 B1 F3 B2 .  B3
+#           rank 1 | .  F0 B0 F1 B1 F2 B2 F3 B3 .
+# Both take 10 steps, 2 of them idle on each rank (the bubble); but GPipe's rank 0 holds 4
+# micro-batches' activations at once (F done, B not yet), 1F1B's at most 2 (pp_size - rank),
+# whatever M is: one warm-up forward, then one F one B.
 
 def schedule_actions(schedule, rank, pp_size, M, n_chunks=1):
     """The ordered actions of `rank` for one batch: (op, microbatch, chunk) with op "F" or "B";
     chunk c of rank r is global stage c*pp_size + r. A pure function, so tests can check orders.
-    Every schedule is: warm-up forwards, then one forward one backward, then the remaining
-    backwards; they differ in the warm-up."""
+    Every schedule is the loop at its end: warm-up forwards, then one forward one backward, then
+    the remaining backwards; they differ in the warm-up."""
     total = M * n_chunks
     to_last = pp_size - rank - 1  # d: how many ranks come after this one
 
@@ -133,12 +92,16 @@ def schedule_actions(schedule, rank, pp_size, M, n_chunks=1):
     else:  # interleaved (Megatron)
         warmup = 2 * to_last + (n_chunks - 1) * pp_size
     warmup = min(warmup, total)
-    actions = [forward(k) for k in range(warmup)]
-    for k in range(total - warmup):
+    actions = []
+    for k in range(warmup):  # warm-up: forwards only
+        actions.append(forward(k))
+    for k in range(total - warmup):  # steady state: one forward, one backward
         actions.append(forward(warmup + k))
         actions.append(backward(k))
-    actions += [backward(k) for k in range(total - warmup, total)]
+    for k in range(total - warmup, total):  # cool-down: the backwards left
+        actions.append(backward(k))
     return actions
+
 
 def stage_index(rank, chunk, pp_size):
     """The global stage of `rank`'s chunk: chunk*pp_size + rank."""
@@ -193,6 +156,21 @@ def timetable(actions, n_stages):
     return table
 
 
+def draw(table):
+    """The timetable as text, a line a rank, as in the picture above: 'F2' is micro-batch 2's
+    forward (of chunk a, b, ... when a rank has several), '.' an idle step."""
+    several = any(action and action[2] for row in table for action in row)
+    labels = []
+    for row in table:
+        labels.append([])
+        for action in row:
+            op, mb, chunk = action or (".", "", 0)
+            labels[-1].append(f"{op}{mb}" + ("abcdefghij"[chunk] if several and action else ""))
+    width = max(len(label) for row in labels for label in row)
+    lines = [" ".join(label.ljust(width) for label in row).rstrip() for row in labels]
+    return "\n".join(f"rank {rank} | {line}" for rank, line in enumerate(lines))
+
+
 def p2p_program(table, rank, n_stages):
     """This rank's program, one entry per step of the timetable: (its action or None, the messages
     exchanged after it, as (peer, is_send, name)): what its action sends, and what the neighbours'
@@ -215,6 +193,59 @@ def p2p_program(table, rank, n_stages):
                 ops.append((other, False, send[1]))
         program.append((action, ops))
     return program
+
+
+# ---- the strategy: the stages, and the executor that runs a schedule with send/recv --------
+
+class Stage(nn.Module):
+    """Global stage `index` of `n_stages`: its blocks (named as in GPT, e.g. transformer.h.2, so
+    checkpoints and optimizer state keep GPT's names), plus wte/wpe on the first stage and ln_f on
+    the last. `head`: the rows of the tied wte this stage's lm_head holds (a copy unless the stage
+    also holds wte): all of them on the last stage, else None. Only these tensors get storage, from
+    the full checkpoint `state` or GPT's init."""
+
+    def __init__(self, config, index, n_stages, blocks, head, state, seed, device):
+        super().__init__()
+        full = GPT(config, device="meta").transformer  # the whole model without storage
+        self.first = index == 0
+        self.last = index == n_stages - 1
+        pieces = dict(h=nn.ModuleDict({str(i): full.h[i] for i in blocks}))
+        if self.first:
+            pieces.update(wte=full.wte, wpe=full.wpe, drop=full.drop)
+        if self.last:
+            pieces.update(ln_f=full.ln_f)
+        self.transformer = nn.ModuleDict(pieces)
+        if head is not None:  # its own Parameter: a copy of wte's rows (unless tied below)
+            n_rows = head.stop - head.start
+            self.lm_head = nn.Linear(config.n_embd, n_rows, bias=False, device="meta")
+        self.to_empty(device=device)
+        if self.first and self.last:
+            self.lm_head.weight = self.transformer.wte.weight  # one stage: the tie is one tensor
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                rows = slice(None)
+                if name == "lm_head.weight":  # the copy of wte starts from wte's rows
+                    name, rows = WTE_NAME, head
+                if state is not None:
+                    value = state[name]
+                else:
+                    shape = (config.vocab_size, config.n_embd) if name == WTE_NAME else param.shape
+                    value = init_tensor(name, shape, config, seed)
+                param.copy_(value[rows])
+
+    def forward(self, x, targets=None):  # token ids on the first stage, else an activation
+        if self.first:
+            pos = torch.arange(x.size(1), device=x.device)
+            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
+        for block in self.transformer.h.values():
+            x = block(x)
+        if not self.last:
+            return x
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)  # the last stage: logits, or their mean loss
+        if targets is None:
+            return logits
+        return cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, vocab)
 
 
 class Pipeline:
@@ -257,6 +288,8 @@ class Pipeline:
             every.append(schedule_actions(args.schedule, other, self.pp_size, self.M, n_chunks))
         self.actions = every[self.rank]
         table = timetable(every, self.n_stages)
+        if args.print_schedule and self.rank == 0:  # the order, as in the picture at the top
+            print(f"{args.schedule} on a clock of equal steps:\n{draw(table)}", flush=True)
         self.program = p2p_program(table, self.rank, self.n_stages)
         forwards = []  # evaluation: the same actions without the backwards
         for actions in every:
@@ -383,10 +416,8 @@ class Pipeline:
     def full_state(self, optimizer):
         return gather_full_state(self, optimizer)  # checkpoint plumbing: after main()
 
-    def describe(self):
-        plan = stage_plan(self.config, self.args, self.pp_size, self.rank_of)
-        return (f"{self.args.schedule} schedule, {self.M} micro-batches a micro-step; "
-                f"estimated GFLOP a step (forward + backward):" + plan)
+    def describe(self):  # the stage plan (estimated FLOPs a stage): --print_schedule's report
+        return f"{self.args.schedule} schedule, {self.M} micro-batches a micro-step"
 
 
 class TorchPipeline(peers.torch_pp.TorchPipeline, Pipeline):
@@ -481,14 +512,14 @@ def main(argv=None):
     mfu = MFU(config, args, device, world_size)  # model FLOPs utilisation, per log line
     metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start, mfu=mfu)
     if rank == 0:
-        print(f"pp ({args.implementation}): {world_size} rank(s) on {device} in {args.dtype}; "
-              f"global batch {B} x {T} tokens, {A} micro-step(s) of {micro} rows; "
-              f"{model.describe()}", flush=True)
+        print(f"pp ({args.implementation}): {world_size} rank(s) on {device} in {args.dtype}, "
+              f"{model.describe()}; global batch {B} x {T} tokens, "
+              f"{A} micro-step(s) of {micro} rows per data-parallel rank", flush=True)
 
     @torch.no_grad()
     def evaluate():
-        """Mean loss over eval_iters fixed batches per split, forwards only through the pipeline:
-        the last stage computes it and broadcasts it to every rank."""
+        """Mean loss over eval_iters fixed batches per split: each data-parallel rank evaluates
+        its rows of each batch (here all ranks together); the last stage broadcasts the mean."""
         out = {}
         for split in ("train", "val"):
             total = torch.zeros((), device=device)

@@ -17,7 +17,7 @@ The schedule orders each rank's forwards (F) and backwards (B). With equal stage
   interleaved  1F1B over V chunks per rank (Megatron): a bubble of (pp_size-1)/(V*M+pp_size-1),
                for V times more messages.
 The head and loss (2*vocab*C FLOPs a token) make the last stage the slowest unless n_layer >=
-vocab/(12C) blocks can balance them. --vocab_parallel (Yeung et al. 2024, "Balancing Pipeline
+vocab/(12C) blocks can balance them. --vocab_parallel (on; Yeung et al. 2024, "Balancing Pipeline
 Parallelism with Vocabulary Parallelism") splits them over all pp_size ranks instead: rank r
 holds lm_head rows [r*vocab/pp_size, (r+1)*vocab/pp_size), a copy of wte's rows
 (16*vocab*C/pp_size bytes with AdamW; wte stays on the first stage), and every micro-batch gets one
@@ -29,9 +29,10 @@ F(k+d), B(k-d) in the time the last runs F(k), L(k), B(k): no rank waits for the
 passes' collectives.
 Zero bubble (zb1p, zbv) is in pp_zb_train.py.
 Run:
-  python pp_vocab_train.py  # single process: one stage, the reference
-  torchrun --standalone --nproc_per_node=2 pp_vocab_train.py  # 2 stages (2 GPUs or 2 CPU processes)
-  torchrun --standalone --nproc_per_node=2 pp_vocab_train.py --vocab_parallel --print_schedule
+  python pp_vocab_train.py  # single process: one stage, its head a vocabulary split of one
+  torchrun --standalone --nproc_per_node=2 pp_vocab_train.py  # 2 stages, the head split over both
+  torchrun --standalone --nproc_per_node=2 pp_vocab_train.py --print_schedule
+  torchrun --standalone --nproc_per_node=2 pp_vocab_train.py --vocab_parallel false  # pp_train.py's
 The derivations and measured bubbles: docs/pp.md.
 """
 import itertools
@@ -51,7 +52,7 @@ from common.metrics import MFU, Metrics, Profiler, model_state_bytes, timers
 from common.model import GPT, LOSS_CHUNK_ROWS, compile_forward, configure_optimizer
 from common.model import cross_entropy, init_tensor
 from common.recompute import checkpoint_blocks
-from common.schedule_report import ScheduleReport, stage_plan
+from common.schedule_report import ScheduleReport
 import peers.torch_pp
 
 ZERO_BUBBLE = ("zb1p", "zbv")  # pp_zb_train.py's schedules: refused here by name
@@ -59,71 +60,27 @@ ZERO_BUBBLE = ("zb1p", "zbv")  # pp_zb_train.py's schedules: refused here by nam
 WTE_NAME = "transformer.wte.weight"  # lm_head.weight is tied to it: the last stage holds a copy
 
 
-# ---- the strategy: stages, schedules, and the executor that runs them with send/recv ---------
-
-class Stage(nn.Module):
-    """Global stage `index` of `n_stages`: its blocks (named as in GPT, e.g. transformer.h.2, so
-    checkpoints and optimizer state keep GPT's names), plus wte/wpe on the first stage and ln_f on
-    the last. `head`: the rows of the tied wte this stage's lm_head holds (a copy unless the stage
-    also holds wte): all of them on the last stage, or, with --vocab_parallel, vocab/pp_size rows
-    on the first chunk of every rank, and then the last stage ends at ln_f. Only these tensors get
-    storage, from the full checkpoint `state` or GPT's init."""
-
-    def __init__(self, config, index, n_stages, blocks, head, vocab_parallel, state, seed, device):
-        super().__init__()
-        full = GPT(config, device="meta").transformer  # the whole model without storage
-        self.first = index == 0
-        self.last = index == n_stages - 1
-        self.vocab_parallel = vocab_parallel
-        pieces = dict(h=nn.ModuleDict({str(i): full.h[i] for i in blocks}))
-        if self.first:
-            pieces.update(wte=full.wte, wpe=full.wpe, drop=full.drop)
-        if self.last:
-            pieces.update(ln_f=full.ln_f)
-        self.transformer = nn.ModuleDict(pieces)
-        if head is not None:  # its own Parameter: a copy of wte's rows (unless tied below)
-            n_rows = head.stop - head.start
-            self.lm_head = nn.Linear(config.n_embd, n_rows, bias=False, device="meta")
-        self.to_empty(device=device)
-        if self.first and self.last and not vocab_parallel:
-            self.lm_head.weight = self.transformer.wte.weight  # one stage: the tie is one tensor
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                rows = slice(None)
-                if name == "lm_head.weight":  # the copy of wte starts from wte's rows
-                    name, rows = WTE_NAME, head
-                if state is not None:
-                    value = state[name]
-                else:
-                    shape = (config.vocab_size, config.n_embd) if name == WTE_NAME else param.shape
-                    value = init_tensor(name, shape, config, seed)
-                param.copy_(value[rows])
-
-    def forward(self, x, targets=None):  # token ids on the first stage, else an activation
-        if self.first:
-            pos = torch.arange(x.size(1), device=x.device)
-            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
-        for block in self.transformer.h.values():
-            x = block(x)
-        if not self.last:
-            return x
-        x = self.transformer.ln_f(x)
-        if self.vocab_parallel:  # every rank's vocabulary pass computes the logits and the loss
-            return x
-        logits = self.lm_head(x)  # the last stage: logits, or their mean loss
-        if targets is None:
-            return logits
-        return cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, vocab)
-
-
 # ---- the strategy: the schedules, as data ----------------------------------------------------
+#
+# Each rank's order of forwards (F2: micro-batch 2's) and backwards, with pp_size = 2 ranks and
+# M = 4 micro-batches, on a clock of equal steps ('.': idle), as schedule_actions lists them and
+# timetable lays them out (--print_schedule prints a run's own at its start; tests/test_pp.py
+# checks this one against the code):
+#   gpipe   rank 0 | F0 F1 F2 F3 .  .  B0 B1 B2 B3
+#           rank 1 | .  F0 F1 F2 F3 B0 B1 B2 B3 .
+#   1f1b    rank 0 | F0 F1 .  B0 F2 B1 F3 B2 .  B3
+#           rank 1 | .  F0 B0 F1 B1 F2 B2 F3 B3 .
+# Both take 10 steps, 2 of them idle on each rank (the bubble); but GPipe's rank 0 holds 4
+# micro-batches' activations at once (F done, B not yet), 1F1B's at most 2 (pp_size - rank),
+# whatever M is: one warm-up forward, then one F one B.
 
 def schedule_actions(schedule, rank, pp_size, M, n_chunks=1, vocab_parallel=False):
     """The ordered actions of `rank` for one batch: (op, microbatch, chunk) with op "F" or "B", and
     with --vocab_parallel ("L", microbatch, 0): the micro-batch's vocabulary pass, forward and
     backward, on every rank; chunk c of rank r is global stage c*pp_size + r. A pure function, so
-    tests can check orders. Every schedule is: warm-up forwards, then one forward one backward,
-    then the remaining backwards; they differ in the warm-up."""
+    tests can check orders. Every schedule is the loop near its end (with --vocab_parallel, the L's
+    then inserted): warm-up forwards, then one forward one backward, then the remaining backwards;
+    they differ in the warm-up."""
     total = M * n_chunks
     to_last = pp_size - rank - 1  # d: how many ranks come after this one
 
@@ -144,9 +101,9 @@ def schedule_actions(schedule, rank, pp_size, M, n_chunks=1, vocab_parallel=Fals
             plain.append(schedule_actions(schedule, other, pp_size, M, n_chunks))
         table = timetable(plain, pp_size * n_chunks)
         actions = []
-        for mine, last in zip(table[rank], table[-1]):
-            if mine:
-                actions.append(mine)
+        for action, last in zip(table[rank], table[-1]):
+            if action:
+                actions.append(action)
             if last and last[0] == "F" and last[2] == n_chunks - 1:
                 actions.append(("L", last[1], 0))
         return actions
@@ -160,11 +117,14 @@ def schedule_actions(schedule, rank, pp_size, M, n_chunks=1, vocab_parallel=Fals
     else:  # interleaved (Megatron)
         warmup = 2 * to_last + (n_chunks - 1) * pp_size
     warmup = min(warmup, total)
-    actions = [forward(k) for k in range(warmup)]
-    for k in range(total - warmup):
+    actions = []
+    for k in range(warmup):  # warm-up: forwards only
+        actions.append(forward(k))
+    for k in range(total - warmup):  # steady state: one forward, one backward
         actions.append(forward(warmup + k))
         actions.append(backward(k))
-    actions += [backward(k) for k in range(total - warmup, total)]
+    for k in range(total - warmup, total):  # cool-down: the backwards left
+        actions.append(backward(k))
     if not vocab_parallel:
         return actions
     # 1f1b: the last rank runs F(k), L(k), B(k); the rank d before it, once full, runs L(k),
@@ -240,6 +200,21 @@ def timetable(actions, n_stages):
     return table
 
 
+def draw(table):
+    """The timetable as text, a line a rank, as in the picture above: 'F2' is micro-batch 2's
+    forward (of chunk a, b, ... when a rank has several), '.' an idle step."""
+    several = any(action and action[2] for row in table for action in row)
+    labels = []
+    for row in table:
+        labels.append([])
+        for action in row:
+            op, mb, chunk = action or (".", "", 0)
+            labels[-1].append(f"{op}{mb}" + ("abcdefghij"[chunk] if several and action else ""))
+    width = max(len(label) for row in labels for label in row)
+    lines = [" ".join(label.ljust(width) for label in row).rstrip() for row in labels]
+    return "\n".join(f"rank {rank} | {line}" for rank, line in enumerate(lines))
+
+
 def p2p_program(table, rank, n_stages):
     """This rank's program, one entry per step of the timetable: (its action or None, the messages
     exchanged after it, as (peer, is_send, name)): what its action sends, and what the neighbours'
@@ -264,44 +239,95 @@ def p2p_program(table, rank, n_stages):
     return program
 
 
+# ---- the strategy: the stages, and the executor that runs a schedule with send/recv --------
+
+class Stage(nn.Module):
+    """Global stage `index` of `n_stages`: its blocks (named as in GPT, e.g. transformer.h.2, so
+    checkpoints and optimizer state keep GPT's names), plus wte/wpe on the first stage and ln_f on
+    the last. `head`: the rows of the tied wte this stage's lm_head holds (a copy unless the stage
+    also holds wte): all of them on the last stage, or, with --vocab_parallel, vocab/pp_size rows
+    on the first chunk of every rank, and then the last stage ends at ln_f. Only these tensors get
+    storage, from the full checkpoint `state` or GPT's init."""
+
+    def __init__(self, config, index, n_stages, blocks, head, vocab_parallel, state, seed, device):
+        super().__init__()
+        full = GPT(config, device="meta").transformer  # the whole model without storage
+        self.first = index == 0
+        self.last = index == n_stages - 1
+        self.vocab_parallel = vocab_parallel
+        pieces = dict(h=nn.ModuleDict({str(i): full.h[i] for i in blocks}))
+        if self.first:
+            pieces.update(wte=full.wte, wpe=full.wpe, drop=full.drop)
+        if self.last:
+            pieces.update(ln_f=full.ln_f)
+        self.transformer = nn.ModuleDict(pieces)
+        if head is not None:  # its own Parameter: a copy of wte's rows (unless tied below)
+            n_rows = head.stop - head.start
+            self.lm_head = nn.Linear(config.n_embd, n_rows, bias=False, device="meta")
+        self.to_empty(device=device)
+        if self.first and self.last and not vocab_parallel:
+            self.lm_head.weight = self.transformer.wte.weight  # one stage: the tie is one tensor
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                rows = slice(None)
+                if name == "lm_head.weight":  # the copy of wte starts from wte's rows
+                    name, rows = WTE_NAME, head
+                if state is not None:
+                    value = state[name]
+                else:
+                    shape = (config.vocab_size, config.n_embd) if name == WTE_NAME else param.shape
+                    value = init_tensor(name, shape, config, seed)
+                param.copy_(value[rows])
+
+    def forward(self, x, targets=None):  # token ids on the first stage, else an activation
+        if self.first:
+            pos = torch.arange(x.size(1), device=x.device)
+            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
+        for block in self.transformer.h.values():
+            x = block(x)
+        if not self.last:
+            return x
+        x = self.transformer.ln_f(x)
+        if self.vocab_parallel:  # every rank's vocabulary pass computes the logits and the loss
+            return x
+        logits = self.lm_head(x)  # the last stage: logits, or their mean loss
+        if targets is None:
+            return logits
+        return cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, vocab)
+
+
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from (N, vocab/p) logit slices in their own dtype (bf16 under
-    autocast), one per rank of `group` (tp_train.py's, written out again): loss =
-    log(sum_v exp(z_v - m)) - (z_t - m) with m the global max, from one all-reduce (MAX) of N
-    numbers and one (SUM) of 2N: each slice's sum of exp and the target's logit, which lives in
-    one slice only. fp32 only 1024 rows at a time (LOSS_CHUNK_ROWS): no fp32 copy of the slice
-    exists. Backward needs no communication: d loss / d z = softmax - onehot(t), recomputed a
-    chunk at a time from the saved logits."""
+    """Per-token cross-entropy from (N, V/p) logit slices in their own dtype (bf16 under autocast),
+    one per rank of `group`: loss = log(sum_v exp(z_v - m)) - (z_t - m), m the global max, from
+    one all-reduce (MAX) of N numbers and one (SUM) of 2N: each slice's sum of exp and the target's
+    logit (in one slice only). fp32 only LOSS_CHUNK_ROWS rows at a time: no fp32 copy of the slice
+    exists. Backward sends nothing: d loss / d z = softmax - onehot(t), a chunk at a time."""
+
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
         m = logits.amax(dim=-1).float()  # (N,): exact in any dtype
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # N numbers, for stability
         local = targets - vocab_start
-        mine = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank owns
+        owned = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank holds
         local = local.clamp(0, logits.size(-1) - 1)
         picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float()  # (N,)
-        chunks = zip(logits.split(LOSS_CHUNK_ROWS), m.split(LOSS_CHUNK_ROWS))
-        # each chunk fp32 by promotion (m is), one chunk at a time: no fp32 copy of the logits
+        chunks = zip(logits.split(LOSS_CHUNK_ROWS), m.split(LOSS_CHUNK_ROWS))  # fp32: m is
         sum_exp = torch.cat([(z - m_z.unsqueeze(-1)).exp_().sum(-1) for z, m_z in chunks])
-        sums = torch.stack([sum_exp, torch.where(mine, picked - m, 0.0)])  # (2, N)
+        sums = torch.stack([sum_exp, torch.where(owned, picked - m, 0.0)])  # (2, N)
         dist.all_reduce(sums, group=group)  # 2N numbers: sums of exp, the targets' logits
-        ctx.save_for_backward(logits, m, sums[0], local, mine)
+        ctx.save_for_backward(logits, m + sums[0].log(), local, owned)  # log-sum-exp (N,) fp32
         return sums[0].log() - sums[1]
 
     @staticmethod
     def backward(ctx, grad):
-        logits, m, sum_exp, local, mine = ctx.saved_tensors
+        logits, lse, local, owned = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
-        # g (softmax - onehot), g a row's upstream gradient: |g| softmax = exp(z - m - log(sum_exp)
-        # + log|g|), one exp per chunk written straight in the logits' dtype (3 passes, not 5)
-        shift = m + sum_exp.log() - grad.abs().log()  # (N,) fp32; g = 0: +inf, a row of zeros
         for start in range(0, logits.size(0), LOSS_CHUNK_ROWS):
             rows = slice(start, start + LOSS_CHUNK_ROWS)
-            out = grad_logits[rows]
-            torch.exp(logits[rows] - shift[rows, None], out=out)  # fp32 by promotion
-            target = (mine[rows] * grad[rows].abs()).to(out.dtype)  # -|g| at an owned target
-            out.scatter_add_(-1, local[rows, None], -target[:, None])
-            out.mul_(grad[rows].sign().to(out.dtype)[:, None])  # g < 0 (a negated loss)
+            out = grad_logits[rows]  # a view, written in place in the logits' dtype
+            torch.exp(logits[rows] - lse[rows, None], out=out)  # softmax
+            out.scatter_add_(-1, local[rows, None], -owned[rows, None].to(out.dtype))  # - onehot
+            out.mul_(grad[rows, None])  # times each row's upstream gradient
         return grad_logits, None, None, None
 
 
@@ -377,6 +403,8 @@ class Pipeline:
                                           vocab_parallel))
         self.actions = every[self.rank]
         table = timetable(every, self.n_stages)
+        if args.print_schedule and self.rank == 0:  # the order, as in the picture at the top
+            print(f"{args.schedule} on a clock of equal steps:\n{draw(table)}", flush=True)
         self.program = p2p_program(table, self.rank, self.n_stages)
         forwards = []  # evaluation: the same actions without the backwards
         for actions in every:
@@ -514,7 +542,7 @@ class Pipeline:
         and the head's. Rank 0 and each rank r sum the rows of r (4*rows*C fp32 bytes each way;
         rank 0's own rows: locally): after the sum both hold those rows' full tied gradient, take
         identical AdamW steps and stay equal without ever sending the weight."""
-        if self.pp_size == 1:  # one rank: the tie is one tensor already
+        if self.pp_size == 1 and not self.args.vocab_parallel:  # one rank: the tie is one tensor
             return
         heads = [chunk.lm_head.weight for chunk in self.chunks if hasattr(chunk, "lm_head")]
         head = heads[0] if heads else None
@@ -541,10 +569,8 @@ class Pipeline:
     def full_state(self, optimizer):
         return gather_full_state(self, optimizer)  # checkpoint plumbing: after main()
 
-    def describe(self):
-        plan = stage_plan(self.config, self.args, self.pp_size, self.rank_of)
-        return (f"{self.args.schedule} schedule, {self.M} micro-batches a micro-step; "
-                f"estimated GFLOP a step (forward + backward):" + plan)
+    def describe(self):  # the stage plan (estimated FLOPs a stage): --print_schedule's report
+        return f"{self.args.schedule} schedule, {self.M} micro-batches a micro-step"
 
 
 class TorchPipeline(peers.torch_pp.TorchPipeline, Pipeline):
@@ -561,7 +587,7 @@ def add_pp_flags(group):
     group.add_argument("--stage_layers", default=None,
                        help="blocks per stage, e.g. 3,1: one entry per stage (ranks x virtual "
                             "stages); default even")
-    add_bool(group, "--vocab_parallel", False,
+    add_bool(group, "--vocab_parallel", True,
              "custom only: lm_head and the loss split by vocabulary over all ranks")
     add_bool(group, "--print_schedule", False,
              "custom only: time every step; print the last one's timeline and the bubble")
@@ -603,8 +629,8 @@ def check_pp_args(args, world_size):
         if min(args.stage_layers) < 1 or sum(args.stage_layers) != args.n_layer:
             die(f"--stage_layers: every stage needs >= 1 block and they must sum to --n_layer "
                 f"({args.n_layer}), got {args.stage_layers}")
-    if args.vocab_parallel and (args.implementation != "custom" or pp_size == 1):
-        die("--vocab_parallel: true needs --implementation custom and at least 2 ranks")
+    if args.vocab_parallel and args.implementation != "custom":
+        die("--vocab_parallel: true needs --implementation custom (or --vocab_parallel false)")
     if args.vocab_parallel and args.vocab_size % pp_size:
         die(f"--vocab_parallel: --vocab_size ({args.vocab_size}) must be divisible by the number "
             f"of ranks ({pp_size})")
@@ -642,14 +668,14 @@ def main(argv=None):
     mfu = MFU(config, args, device, world_size)  # model FLOPs utilisation, per log line
     metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start, mfu=mfu)
     if rank == 0:
-        print(f"pp ({args.implementation}): {world_size} rank(s) on {device} in {args.dtype}; "
-              f"global batch {B} x {T} tokens, {A} micro-step(s) of {micro} rows; "
-              f"{model.describe()}", flush=True)
+        print(f"pp ({args.implementation}): {world_size} rank(s) on {device} in {args.dtype}, "
+              f"{model.describe()}; global batch {B} x {T} tokens, "
+              f"{A} micro-step(s) of {micro} rows per data-parallel rank", flush=True)
 
     @torch.no_grad()
     def evaluate():
-        """Mean loss over eval_iters fixed batches per split, forwards only through the pipeline:
-        the last stage computes it and broadcasts it to every rank."""
+        """Mean loss over eval_iters fixed batches per split: each data-parallel rank evaluates
+        its rows of each batch (here all ranks together); the last stage broadcasts the mean."""
         out = {}
         for split in ("train", "val"):
             total = torch.zeros((), device=device)

@@ -30,11 +30,11 @@ The head split by vocabulary (--vocab_parallel) is in pp_vocab_train.py: its pas
 rendezvous of every rank each micro-batch, where the zero-bubble orders have ranks at different
 micro-batches.
 Run:
-  python pp_zb_train.py  # single process: one stage, the reference
-  torchrun --standalone --nproc_per_node=2 pp_zb_train.py  # 2 stages (2 GPUs or 2 CPU processes)
-  torchrun --standalone --nproc_per_node=2 pp_zb_train.py --schedule zb1p --print_schedule
+  python pp_zb_train.py  # single process: one stage, ZB-H1 (--schedule zb1p, the default)
+  torchrun --standalone --nproc_per_node=2 pp_zb_train.py  # ZB-H1, 2 stages (GPUs or CPU processes)
+  torchrun --standalone --nproc_per_node=2 pp_zb_train.py --print_schedule
   torchrun --standalone --nproc_per_node=2 pp_zb_train.py --schedule zbv --n_layer 4
-  torchrun --standalone --nproc_per_node=2 pp_zb_train.py --schedule zb1p --implementation pytorch
+  torchrun --standalone --nproc_per_node=2 pp_zb_train.py --implementation pytorch  # torch's ZB-H1
 The derivations and measured bubbles: docs/pp.md.
 """
 import itertools
@@ -54,7 +54,7 @@ from common.metrics import MFU, Metrics, Profiler, model_state_bytes, timers
 from common.model import BLOCK_LINEARS, GPT, compile_forward, configure_optimizer
 from common.model import cross_entropy, init_tensor
 from common.recompute import checkpoint_blocks
-from common.schedule_report import ScheduleReport, stage_plan
+from common.schedule_report import ScheduleReport
 import peers.torch_pp
 
 ZERO_BUBBLE = ("zb1p", "zbv")  # the schedules whose backward is split into B and W
@@ -62,132 +62,25 @@ ZERO_BUBBLE = ("zb1p", "zbv")  # the schedules whose backward is split into B an
 WTE_NAME = "transformer.wte.weight"  # lm_head.weight is tied to it: the last stage holds a copy
 
 
-# ---- the strategy: stages, schedules, and the executor that runs them with send/recv ---------
-
-class Stage(nn.Module):
-    """Global stage `index` of `n_stages`: its blocks (named as in GPT, e.g. transformer.h.2, so
-    checkpoints and optimizer state keep GPT's names), plus wte/wpe on the first stage and ln_f on
-    the last. `head`: the rows of the tied wte this stage's lm_head holds (a copy unless the stage
-    also holds wte): all of them on the last stage, else None. Only these tensors get storage, from
-    the full checkpoint `state` or GPT's init."""
-
-    def __init__(self, config, index, n_stages, blocks, head, state, seed, device):
-        super().__init__()
-        full = GPT(config, device="meta").transformer  # the whole model without storage
-        self.first = index == 0
-        self.last = index == n_stages - 1
-        pieces = dict(h=nn.ModuleDict({str(i): full.h[i] for i in blocks}))
-        if self.first:
-            pieces.update(wte=full.wte, wpe=full.wpe, drop=full.drop)
-        if self.last:
-            pieces.update(ln_f=full.ln_f)
-        self.transformer = nn.ModuleDict(pieces)
-        if head is not None:  # its own Parameter: a copy of wte's rows (unless tied below)
-            n_rows = head.stop - head.start
-            self.lm_head = nn.Linear(config.n_embd, n_rows, bias=False, device="meta")
-        self.to_empty(device=device)
-        if self.first and self.last:
-            self.lm_head.weight = self.transformer.wte.weight  # one stage: the tie is one tensor
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                rows = slice(None)
-                if name == "lm_head.weight":  # the copy of wte starts from wte's rows
-                    name, rows = WTE_NAME, head
-                if state is not None:
-                    value = state[name]
-                else:
-                    shape = (config.vocab_size, config.n_embd) if name == WTE_NAME else param.shape
-                    value = init_tensor(name, shape, config, seed)
-                param.copy_(value[rows])
-
-    def forward(self, x, targets=None):  # token ids on the first stage, else an activation
-        if self.first:
-            pos = torch.arange(x.size(1), device=x.device)
-            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
-        for block in self.transformer.h.values():
-            x = block(x)
-        if not self.last:
-            return x
-        x = self.transformer.ln_f(x)
-        logits = self.lm_head(x)  # the last stage: logits, or their mean loss
-        if targets is None:
-            return logits
-        return cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, vocab)
-
-
-# ---- the strategy: the backward split in two, for the zero-bubble schedule -------------------
-
-class DeferredWeightGrads:
-    """B and W of --schedule zb1p. A block's linears (deferred_linear) run their backward in two
-    parts: at B the input's gradient dX = dY W, which the stage before waits for; their weight's,
-    dW = dY^T X, and bias's, sum(dY), are queued under the micro-batch and chunk (DeepSeek's
-    WeightGradStore) and run at its W, which waits for nothing. X is what forward saved, dY what B
-    computed: both stay until W. LayerNorms and the embeddings (the little rest) keep autograd's
-    own backward, in B."""
-
-    def __init__(self):
-        self.key = None  # the (micro-batch, chunk) whose B is running
-        self.queues = {}
-
-    def defer(self, weight_grad):
-        self.queues.setdefault(self.key, []).append(weight_grad)
-
-    @torch.no_grad()  # outside autograd's backward: no graph of the gradients
-    def run(self, key):
-        for weight_grad in self.queues.pop(key, []):
-            weight_grad()
-
-
-def accumulate_grad_(param, grad):
-    """param.grad += grad, as autograd accumulates it (across micro-batches and micro-steps)."""
-    grad = grad.to(param.dtype)
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
-
-
-class DeferredLinear(torch.autograd.Function):
-    """y = x W^T + b whose backward returns dX only and queues dW and db on `store`."""
-    @staticmethod
-    def forward(ctx, x, weight, bias, store):
-        ctx.store, ctx.x_dtype, ctx.params = store, x.dtype, (weight, bias)
-        if torch.is_autocast_enabled(x.device.type):  # backward runs outside autocast: cast now
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        ctx.save_for_backward(x, weight)
-        return nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dy = dy.to(weight.dtype)
-        weight_param, bias_param = ctx.params
-
-        def weight_grad():  # at W: (out, in) = dY^T X, summed over the micro-batch's tokens
-            accumulate_grad_(weight_param, dy.flatten(0, -2).t() @ x.flatten(0, -2))
-            if bias_param is not None:
-                accumulate_grad_(bias_param, dy.flatten(0, -2).sum(0))
-        ctx.store.defer(weight_grad)
-        return (dy @ weight).to(ctx.x_dtype), None, None, None
-
-
-def defer_weight_grads(chunk, store):
-    """Every nn.Linear of `chunk` (its blocks', and the head's on the last stage) computes through
-    DeferredLinear, its parameters unchanged."""
-    for module in chunk.modules():
-        if isinstance(module, nn.Linear):
-            module.forward = lambda x, m=module: DeferredLinear.apply(x, m.weight, m.bias, store)
-
-
 # ---- the strategy: the schedules, as data ----------------------------------------------------
+#
+# Each rank's order of forwards (F2: micro-batch 2's) and backwards, with pp_size = 2 ranks and
+# M = 4 micro-batches, on a clock of equal steps ('.': idle), as schedule_actions lists them and
+# timetable lays them out (--print_schedule prints a run's own at its start; tests/test_pp.py
+# checks this one against the code):
+#   gpipe   rank 0 | F0 F1 F2 F3 .  .  B0 B1 B2 B3
+#           rank 1 | .  F0 F1 F2 F3 B0 B1 B2 B3 .
+#   1f1b    rank 0 | F0 F1 .  B0 F2 B1 F3 B2 .  B3
+#           rank 1 | .  F0 B0 F1 B1 F2 B2 F3 B3 .
+# Both take 10 steps, 2 of them idle on each rank (the bubble); but GPipe's rank 0 holds 4
+# micro-batches' activations at once (F done, B not yet), 1F1B's at most 2 (pp_size - rank),
+# whatever M is: one warm-up forward, then one F one B.
 
 def schedule_actions(schedule, rank, pp_size, M, n_chunks=1):
     """The ordered actions of `rank` for one batch: (op, microbatch, chunk) with op "F" or "B" (or
     W, zb1p and zbv); chunk c of rank r is global stage c*pp_size + r. A pure function, so tests
-    can check orders. Every schedule is: warm-up forwards, then one forward one backward, then the
-    remaining backwards; they differ in the warm-up."""
+    can check orders. Every schedule but zb1p and zbv is the loop at its end: warm-up forwards,
+    then one forward one backward, then the remaining backwards; they differ in the warm-up."""
     total = M * n_chunks
     to_last = pp_size - rank - 1  # d: how many ranks come after this one
 
@@ -212,12 +105,16 @@ def schedule_actions(schedule, rank, pp_size, M, n_chunks=1):
     else:  # interleaved (Megatron)
         warmup = 2 * to_last + (n_chunks - 1) * pp_size
     warmup = min(warmup, total)
-    actions = [forward(k) for k in range(warmup)]
-    for k in range(total - warmup):
+    actions = []
+    for k in range(warmup):  # warm-up: forwards only
+        actions.append(forward(k))
+    for k in range(total - warmup):  # steady state: one forward, one backward
         actions.append(forward(warmup + k))
         actions.append(backward(k))
-    actions += [backward(k) for k in range(total - warmup, total)]
+    for k in range(total - warmup, total):  # cool-down: the backwards left
+        actions.append(backward(k))
     return actions
+
 
 def zero_bubble_h1(pp_size, M, rank):
     """ZB-H1's actions for `rank` (chunk 0): 1F1B with each backward split into B and W, and W held
@@ -355,6 +252,21 @@ def timetable(actions, n_stages, v_shape=False):
     return table
 
 
+def draw(table):
+    """The timetable as text, a line a rank, as in the picture above: 'F2' is micro-batch 2's
+    forward (of chunk a, b, ... when a rank has several), '.' an idle step."""
+    several = any(action and action[2] for row in table for action in row)
+    labels = []
+    for row in table:
+        labels.append([])
+        for action in row:
+            op, mb, chunk = action or (".", "", 0)
+            labels[-1].append(f"{op}{mb}" + ("abcdefghij"[chunk] if several and action else ""))
+    width = max(len(label) for row in labels for label in row)
+    lines = [" ".join(label.ljust(width) for label in row).rstrip() for row in labels]
+    return "\n".join(f"rank {rank} | {line}" for rank, line in enumerate(lines))
+
+
 def p2p_program(table, rank, n_stages, v_shape=False):
     """This rank's program, one entry per step of the timetable: (its action or None, the messages
     exchanged after it, as (peer, is_send, name)): what its action sends, and what the neighbours'
@@ -382,11 +294,131 @@ def p2p_program(table, rank, n_stages, v_shape=False):
     return program
 
 
+# ---- the strategy: the backward split in two, for the zero-bubble schedules ------------------
+
+class DeferredWeightGrads:
+    """B and W of the zero-bubble schedules (zb1p, zbv). Each linear of a stage (DeferredLinear:
+    the blocks' and the head's) runs its backward in two parts: at B the input's gradient
+    dX = dY W, which the stage before waits for; its weight's, dW = dY^T X, and bias's, sum(dY),
+    are queued under the micro-batch and chunk (DeepSeek's WeightGradStore) and run at its W,
+    which waits for nothing. X is what forward saved, dY what B computed: both stay until W.
+    LayerNorms and the embeddings (the little rest) keep autograd's own backward, in B."""
+
+    def __init__(self):
+        self.key = None  # the (micro-batch, chunk) whose B is running
+        self.queues = {}
+
+    def defer(self, weight_grad):
+        self.queues.setdefault(self.key, []).append(weight_grad)
+
+    @torch.no_grad()  # outside autograd's backward: no graph of the gradients
+    def run(self, key):
+        for weight_grad in self.queues.pop(key, []):
+            weight_grad()
+
+
+def accumulate_grad_(param, grad):
+    """param.grad += grad, as autograd accumulates it (across micro-batches and micro-steps)."""
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+class DeferredLinear(torch.autograd.Function):
+    """y = x W^T + b whose backward returns dX only and queues dW and db on `store`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.store, ctx.x_dtype, ctx.params = store, x.dtype, (weight, bias)
+        if torch.is_autocast_enabled(x.device.type):  # backward runs outside autocast: cast now
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        ctx.save_for_backward(x, weight)
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy = dy.to(weight.dtype)
+        weight_param, bias_param = ctx.params
+
+        def weight_grad():  # at W: (out, in) = dY^T X, summed over the micro-batch's tokens
+            accumulate_grad_(weight_param, dy.flatten(0, -2).t() @ x.flatten(0, -2))
+            if bias_param is not None:
+                accumulate_grad_(bias_param, dy.flatten(0, -2).sum(0))
+        ctx.store.defer(weight_grad)
+        return (dy @ weight).to(ctx.x_dtype), None, None, None
+
+
+def defer_weight_grads(chunk, store):
+    """Every nn.Linear of `chunk` (its blocks', and the head's on the last stage) computes through
+    DeferredLinear, its parameters unchanged."""
+    for module in chunk.modules():
+        if isinstance(module, nn.Linear):
+            module.forward = lambda x, m=module: DeferredLinear.apply(x, m.weight, m.bias, store)
+
+
+# ---- the strategy: the stages, and the executor that runs a schedule with send/recv --------
+
+class Stage(nn.Module):
+    """Global stage `index` of `n_stages`: its blocks (named as in GPT, e.g. transformer.h.2, so
+    checkpoints and optimizer state keep GPT's names), plus wte/wpe on the first stage and ln_f on
+    the last. `head`: the rows of the tied wte this stage's lm_head holds (a copy unless the stage
+    also holds wte): all of them on the last stage, else None. Only these tensors get storage, from
+    the full checkpoint `state` or GPT's init."""
+
+    def __init__(self, config, index, n_stages, blocks, head, state, seed, device):
+        super().__init__()
+        full = GPT(config, device="meta").transformer  # the whole model without storage
+        self.first = index == 0
+        self.last = index == n_stages - 1
+        pieces = dict(h=nn.ModuleDict({str(i): full.h[i] for i in blocks}))
+        if self.first:
+            pieces.update(wte=full.wte, wpe=full.wpe, drop=full.drop)
+        if self.last:
+            pieces.update(ln_f=full.ln_f)
+        self.transformer = nn.ModuleDict(pieces)
+        if head is not None:  # its own Parameter: a copy of wte's rows (unless tied below)
+            n_rows = head.stop - head.start
+            self.lm_head = nn.Linear(config.n_embd, n_rows, bias=False, device="meta")
+        self.to_empty(device=device)
+        if self.first and self.last:
+            self.lm_head.weight = self.transformer.wte.weight  # one stage: the tie is one tensor
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                rows = slice(None)
+                if name == "lm_head.weight":  # the copy of wte starts from wte's rows
+                    name, rows = WTE_NAME, head
+                if state is not None:
+                    value = state[name]
+                else:
+                    shape = (config.vocab_size, config.n_embd) if name == WTE_NAME else param.shape
+                    value = init_tensor(name, shape, config, seed)
+                param.copy_(value[rows])
+
+    def forward(self, x, targets=None):  # token ids on the first stage, else an activation
+        if self.first:
+            pos = torch.arange(x.size(1), device=x.device)
+            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
+        for block in self.transformer.h.values():
+            x = block(x)
+        if not self.last:
+            return x
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)  # the last stage: logits, or their mean loss
+        if targets is None:
+            return logits
+        return cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, vocab)
+
+
 class Pipeline:
     """The strategy behind the loop's few methods: this rank's chunks (Stages) and its schedule's
     actions."""
     checkpoint_blocks = staticmethod(checkpoint_blocks)  # --activation_checkpointing's, by hand
-    splits_backward = True  # zb1p: B and W by DeferredWeightGrads
+    defer_weight_grads = staticmethod(defer_weight_grads)  # zb1p, zbv: B and W split by hand
 
     def __init__(self, config, args, device, state=None):
         self.config, self.args, self.device = config, args, device
@@ -400,8 +432,8 @@ class Pipeline:
         self.loss_rank = self.rank_of(self.n_stages - 1)
         first_block = list(itertools.accumulate(args.stage_layers, initial=0))
         self.chunks = nn.ModuleList()
-        self.deferred = DeferredWeightGrads()  # zb1p: the W actions' weight gradients
-        defers = args.schedule in ZERO_BUBBLE and self.splits_backward
+        self.deferred = DeferredWeightGrads()  # zb1p, zbv: the W actions' weight gradients
+        defers = args.schedule in ZERO_BUBBLE
         for chunk in range(n_chunks):
             stage = self.stage_of(chunk)  # its global stage
             head = slice(0, config.vocab_size) if stage == self.n_stages - 1 else None  # lm_head
@@ -409,7 +441,7 @@ class Pipeline:
             self.chunks.append(Stage(config, stage, self.n_stages, blocks, head, state, args.seed,
                                      device))
             if defers:
-                defer_weight_grads(self.chunks[-1], self.deferred)
+                self.defer_weight_grads(self.chunks[-1], self.deferred)
             # --compile: each block's forward (the p2p messages pass between chunks); with
             # DeferredLinear its linears stay eager, their weight gradients queued for W
             compile_forward(self.chunks[-1].transformer.h.values(), args.compile,
@@ -432,6 +464,8 @@ class Pipeline:
         self.actions = every[self.rank]
         n_stages, v_shape = self.n_stages, self.v_shape
         table = timetable(every, n_stages, v_shape)
+        if args.print_schedule and self.rank == 0:  # the order, as in the picture at the top
+            print(f"{args.schedule} on a clock of equal steps:\n{draw(table)}", flush=True)
         self.program = p2p_program(table, self.rank, n_stages, v_shape)
         forwards = []  # evaluation: the same actions without the backwards
         for actions in every:
@@ -509,7 +543,7 @@ class Pipeline:
                     grad_out = None
                     if stage != last:
                         grad_out = inbox.pop(("B", mb, stage + 1))  # sent by the next stage
-                    self.deferred.key = (mb, chunk)  # zb1p: where this B's weight gradients wait
+                    self.deferred.key = (mb, chunk)  # zb1p, zbv: where B's weight gradients wait
                     with timers("compute", label=action):
                         torch.autograd.backward(edge, grad_out)
                     result = inp.grad  # d(loss)/d(our input), for the previous stage
@@ -569,10 +603,8 @@ class Pipeline:
     def full_state(self, optimizer):
         return gather_full_state(self, optimizer)  # checkpoint plumbing: after main()
 
-    def describe(self):
-        plan = stage_plan(self.config, self.args, self.pp_size, self.rank_of)
-        return (f"{self.args.schedule} schedule, {self.M} micro-batches a micro-step; "
-                f"estimated GFLOP a step (forward + backward):" + plan)
+    def describe(self):  # the stage plan (estimated FLOPs a stage): --print_schedule's report
+        return f"{self.args.schedule} schedule, {self.M} micro-batches a micro-step"
 
 
 class TorchPipeline(peers.torch_pp.TorchPipeline, Pipeline):
@@ -582,7 +614,7 @@ class TorchPipeline(peers.torch_pp.TorchPipeline, Pipeline):
 
 def add_pp_flags(group):
     group.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", *ZERO_BUBBLE],
-                       default="1f1b")
+                       default="zb1p")
     group.add_argument("--n_microbatches", type=int, default=4, help="micro-batches per micro-step")
     group.add_argument("--virtual_stages", type=int, default=None,
                        help="chunks per rank, interleaved only (default 2)")
@@ -665,14 +697,14 @@ def main(argv=None):
     mfu = MFU(config, args, device, world_size)  # model FLOPs utilisation, per log line
     metrics = Metrics(args.out_dir, rank == 0, args.tensorboard, start_step=start, mfu=mfu)
     if rank == 0:
-        print(f"pp ({args.implementation}): {world_size} rank(s) on {device} in {args.dtype}; "
-              f"global batch {B} x {T} tokens, {A} micro-step(s) of {micro} rows; "
-              f"{model.describe()}", flush=True)
+        print(f"pp ({args.implementation}): {world_size} rank(s) on {device} in {args.dtype}, "
+              f"{model.describe()}; global batch {B} x {T} tokens, "
+              f"{A} micro-step(s) of {micro} rows per data-parallel rank", flush=True)
 
     @torch.no_grad()
     def evaluate():
-        """Mean loss over eval_iters fixed batches per split, forwards only through the pipeline:
-        the last stage computes it and broadcasts it to every rank."""
+        """Mean loss over eval_iters fixed batches per split: each data-parallel rank evaluates
+        its rows of each batch (here all ranks together); the last stage broadcasts the mean."""
         out = {}
         for split in ("train", "val"):
             total = torch.zeros((), device=device)

@@ -46,7 +46,11 @@ def check_args(args):
 
 class TorchPipeline:
     checkpoint_blocks = staticmethod(torch_checkpoint_blocks)  # Pipeline.__init__ applies it
-    splits_backward = False  # zb1p: torch's schedule splits B and W itself
+
+    @staticmethod
+    def defer_weight_grads(chunk, store):
+        """pp_zb_train.py's zb1p and zbv: nothing to do here, torch's schedule splits each backward
+        into B and W itself (stage_backward_input, stage_backward_weight), through autograd."""
 
     def __init__(self, config, args, device, state=None):
         super().__init__(config, args, device, state)  # Pipeline's: this rank's chunks and groups
