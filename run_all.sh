@@ -96,9 +96,8 @@ run() {  # run NAME NPROC SCRIPT FLAGS...: one training run into $RUNS/NAME, on 
   printf '  %-30s exit %s\n' "$name ($DEVICE)" "$code"
 }
 
-variant() {  # variant SCRIPT [NPROC]: the flags that run a tier-2 script's own variant
-  # (the head split by vocabulary needs 2 ranks: at world size 1 pp_vocab runs as its base)
-  case $1 in pp_zb) echo "--schedule zb1p" ;; pp_vocab) [ "${2:-2}" -gt 1 ] && echo "--vocab_parallel" ;; esac
+variant() {  # variant SCRIPT [NPROC]: flags that exercise a tier-2 script's knobs beyond its defaults
+  # (each tier-2 script's defaults already run its variant)
   case $1 in zero3_tuning) echo "--persistence_threshold 1024 --reduce_bucket_mb 1 --max_reuse_distance 0" ;; esac
 }
 
