@@ -13,22 +13,20 @@ lm_head are split by vocabulary: --loss_parallel's loss all-reduces B*T, then 2B
 their memory): each all-reduce becomes a reduce-scatter after row-parallel and an all-gather before
 column-parallel, the same bytes; the replicas' partial gradients are summed over TP after backward.
 2D: N = D x tp_size ranks (--data_parallel_size D) in a grid, a row a TP group of consecutive ranks,
-a column a DP group that splits the batch and averages its gradients after backward.
+a column a DP group that splits the batch and, after backward, sums its gradients of loss / D.
 --tp_overlap (on; false: tp_train.py's path): each f and g is fused with its matmul and sent in
 pieces, each travelling while the next is multiplied (Megatron's --tp-comm-overlap): with SP in
 tp_size - 1 ring passes, without SP the output's all-reduce in OVERLAP_CHUNKS pieces and the input
 gradient's under the weight gradient. It needs a free engine for the bytes (a GPU's): on a CPU it
 measured no faster (docs/tp.md).
-Run:
+Run (the derivations, the design and what was measured: docs/tp.md):
   python tp_overlap_train.py                                    # single process: the reference
   torchrun --standalone --nproc_per_node=2 tp_overlap_train.py  # TP=2 (GPUs, or CPU processes)
   torchrun --standalone --nproc_per_node=2 tp_overlap_train.py --sequence_parallel
   torchrun --standalone --nproc_per_node=4 tp_overlap_train.py --tensor_parallel_size 2  # DP2 x TP2
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv-backend=c10d \\
            --rdzv-endpoint=HOST:29500 tp_overlap_train.py --tensor_parallel_size 8  # DP: nodes
-The derivations, the design and what was measured: docs/tp.md
 """
-import functools
 import os
 import time
 from contextlib import contextmanager, nullcontext
@@ -58,12 +56,10 @@ class TPGroup:
     """The tensor-parallel group: its size, this rank's place in it and its ring neighbours (global
     ranks), whether SP is on, and whether the collectives overlap the matmuls (--tp_overlap)."""
     def __init__(self, group, sequence_parallel, overlap=False):
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.group, self.sp = group, sequence_parallel
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
-        self.sp = sequence_parallel
         self.overlap = overlap
 
 
@@ -94,6 +90,7 @@ class CopyToTP(torch.autograd.Function):
             return x
         with timers("exposed_comm"):  # every wait of the plain path is exposed
             return all_gather(x, tp.group, dim=1)  # (B, T/tp, C) -> (B, T, C)
+
     @staticmethod
     def backward(ctx, grad):
         with timers("exposed_comm"):
@@ -116,6 +113,7 @@ class ReduceFromTP(torch.autograd.Function):
             x = x.contiguous()
             dist.all_reduce(x, group=tp.group)  # B*T*C numbers: the sum of the tp partial outputs
             return x
+
     @staticmethod
     def backward(ctx, grad):
         if not ctx.tp.sp:
@@ -138,13 +136,15 @@ def wait(works):
             work.wait()
 
 
-def ring_pass(x, tp):
-    """Sends x to the next TP rank and receives the previous rank's, asynchronously: one
-    batch_isend_irecv, as under NCCL a send may wait for its receive."""
-    received = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x, tp.next, tp.group),
-           dist.P2POp(dist.irecv, received, tp.prev, tp.group)]
-    return received, dist.batch_isend_irecv(ops)
+def pass_to_next(tensor, tp):
+    """Sends tensor to the next rank of the ring and receives the previous rank's into a new one,
+    tensor.numel() numbers each way. Both in one batch_isend_irecv: under NCCL a send may wait for
+    its receive, and every rank posting its pair together cannot deadlock."""
+    received = torch.empty_like(tensor)
+    send = dist.P2POp(dist.isend, tensor, tp.next, tp.group)
+    receive = dist.P2POp(dist.irecv, received, tp.prev, tp.group)
+    works = dist.batch_isend_irecv([send, receive])
+    return received, works
 
 
 def ring_all_gather(x, tp, compute):
@@ -155,7 +155,7 @@ def ring_all_gather(x, tp, compute):
     s = tp.rank  # the shard in hand: first its own, then rank - 1's, rank - 2's, ...
     for i in range(tp.size):
         if i < tp.size - 1:
-            received, works = ring_pass(x, tp)  # the shard in hand goes on to rank + 1...
+            received, works = pass_to_next(x, tp)  # the shard in hand goes on to rank + 1...
         shards[s], results[s] = x, compute(x)  # ...while it is multiplied here
         if i < tp.size - 1:
             wait(works)
@@ -176,7 +176,7 @@ def ring_reduce_scatter(term, tp):
             partial = partial + received  # the sum of the ranks before, for the same shard
         if i < tp.size - 1:
             sent = partial  # kept alive until its send completes
-            received, works = ring_pass(sent, tp)
+            received, works = pass_to_next(sent, tp)
     return partial
 
 
@@ -280,6 +280,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features))
         self.bias = nn.Parameter(torch.empty(out_features // tp.size)) if bias else None
+
     def forward(self, x):  # f: x (B, T, in_features) whole, then the matmul: (B, T, out/tp)
         return column_parallel(x, self.weight, self.bias, self.tp)
 
@@ -291,6 +292,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
     def forward(self, x):  # this rank's (B, T, out) term, summed by g: (B, T/tp, out) with SP
         out = row_parallel(x, self.weight, self.tp)
         return out + self.bias if self.bias is not None else out
@@ -303,12 +305,13 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(vocab_size // tp.size, n_embd))
         self.vocab_start = tp.rank * (vocab_size // tp.size)
+
     def forward(self, idx):
         local = idx - self.vocab_start
-        mine = (local >= 0) & (local < self.weight.size(0))  # the ids this rank owns
+        owned = (local >= 0) & (local < self.weight.size(0))  # the ids this rank holds
         rows = F.embedding(local.clamp(0, self.weight.size(0) - 1), self.weight)  # (B, T, C)
-        x = rows * mine.unsqueeze(-1)  # the others' ids: zero
-        return ReduceFromTP.apply(x, self.tp)
+        return ReduceFromTP.apply(rows * owned.unsqueeze(-1), self.tp)  # the others' ids: zero
+
 
 class GatherFromVocab(torch.autograd.Function):
     """--loss_parallel false: all-gather the (B, T, V/tp) logit slices; backward keeps its own."""
@@ -316,45 +319,44 @@ class GatherFromVocab(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group, ctx.rank = group, dist.get_rank(group)
         return all_gather(x, group, dim=-1)  # B*T*V/tp numbers from each rank
+
     @staticmethod
     def backward(ctx, grad):
         return grad.chunk(dist.get_world_size(ctx.group), dim=-1)[ctx.rank], None
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from (N, V/tp) logit slices in their own dtype, one per rank of
-    `group`: loss = log(sum_v exp(z_v - m)) - (z_t - m), m the global max, from one all-reduce
-    (MAX) of N numbers and one (SUM) of 2N: each slice's sum of exp and the target's logit (in one
-    slice only). fp32 only LOSS_CHUNK_ROWS rows at a time: no fp32 copy of the slice exists.
-    Backward sends nothing: d loss / d z = softmax - onehot(t), chunk by chunk from the logits."""
+    """Per-token cross-entropy from (N, V/p) logit slices in their own dtype (bf16 under autocast),
+    one per rank of `group`: loss = log(sum_v exp(z_v - m)) - (z_t - m), m the global max, from
+    one all-reduce (MAX) of N numbers and one (SUM) of 2N: each slice's sum of exp and the target's
+    logit (in one slice only). fp32 only LOSS_CHUNK_ROWS rows at a time: no fp32 copy of the slice
+    exists. Backward sends nothing: d loss / d z = softmax - onehot(t), a chunk at a time."""
+
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
         m = logits.amax(dim=-1).float()  # (N,): exact in any dtype
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # N numbers, for stability
         local = targets - vocab_start
-        mine = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank owns
+        owned = (local >= 0) & (local < logits.size(-1))  # targets whose logit this rank holds
         local = local.clamp(0, logits.size(-1) - 1)
         picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float()  # (N,)
-        chunks = zip(logits.split(LOSS_CHUNK_ROWS), m.split(LOSS_CHUNK_ROWS))  # each fp32: m is
+        chunks = zip(logits.split(LOSS_CHUNK_ROWS), m.split(LOSS_CHUNK_ROWS))  # fp32: m is
         sum_exp = torch.cat([(z - m_z.unsqueeze(-1)).exp_().sum(-1) for z, m_z in chunks])
-        sums = torch.stack([sum_exp, torch.where(mine, picked - m, 0.0)])  # (2, N)
+        sums = torch.stack([sum_exp, torch.where(owned, picked - m, 0.0)])  # (2, N)
         dist.all_reduce(sums, group=group)  # 2N numbers: sums of exp, the targets' logits
-        ctx.save_for_backward(logits, m, sums[0], local, mine)
+        ctx.save_for_backward(logits, m + sums[0].log(), local, owned)  # log-sum-exp (N,) fp32
         return sums[0].log() - sums[1]
+
     @staticmethod
     def backward(ctx, grad):
-        logits, m, sum_exp, local, mine = ctx.saved_tensors
+        logits, lse, local, owned = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
-        # g (softmax - onehot), g a row's upstream gradient, one exp per chunk in the logits' dtype:
-        # |g| softmax = exp(z - m - log(sum_exp) + log|g|) (3 passes over the logits, not 5)
-        shift = m + sum_exp.log() - grad.abs().log()  # (N,) fp32; g = 0: +inf, a row of zeros
         for start in range(0, logits.size(0), LOSS_CHUNK_ROWS):
             rows = slice(start, start + LOSS_CHUNK_ROWS)
-            out = grad_logits[rows]
-            torch.exp(logits[rows] - shift[rows, None], out=out)  # fp32 by promotion
-            target = (mine[rows] * grad[rows].abs()).to(out.dtype)  # -|g| at an owned target
-            out.scatter_add_(-1, local[rows, None], -target[:, None])
-            out.mul_(grad[rows].sign().to(out.dtype)[:, None])  # g < 0 (a negated loss)
+            out = grad_logits[rows]  # a view, written in place in the logits' dtype
+            torch.exp(logits[rows] - lse[rows, None], out=out)  # softmax
+            out.scatter_add_(-1, local[rows, None], -owned[rows, None].to(out.dtype))  # - onehot
+            out.mul_(grad[rows, None])  # times each row's upstream gradient
         return grad_logits, None, None, None
 
 
@@ -390,50 +392,6 @@ def unshard(name, shards):
     return shards[0] if dim is None else torch.cat(shards, dim=dim)
 
 
-# ---- the strategy: dropout's two random streams, as in Megatron -----------------------------
-# Activations every TP rank holds whole draw the same masks from the shared stream (share_rng);
-# a rank's own heads, and with SP its sequence shard, draw from the rank's own stream, forked here.
-
-def device_generator(device):
-    """The generator the device's ops draw from: CUDA ops the GPU's, not the CPU's."""
-    if device.type == "cuda":
-        return torch.cuda.default_generators[device.index]
-    return torch.default_generator
-
-
-@contextmanager
-def tp_rank_rng(tp_rank, device):
-    """Seeds the device's generator with seed + tp_rank, seed drawn from the shared CPU stream (no
-    device sync), and puts the shared state back on exit: restored with it from a checkpoint."""
-    seed = int(torch.randint(2**62, ()))
-    generator = device_generator(device)
-    shared = generator.get_state()
-    generator.manual_seed(seed + tp_rank)
-    try:
-        yield
-    finally:
-        generator.set_state(shared)
-
-
-class TPRankDropout(nn.Dropout):
-    """--sequence_parallel: GPT's nn.Dropouts act on sequence shards: the rank's own stream."""
-    def __init__(self, dropout, tp_rank):
-        super().__init__(dropout)
-        self.tp_rank = tp_rank
-    def forward(self, x):
-        return self.on_rank_stream(x) if self.training and self.p else super().forward(x)
-    @torch.compiler.disable  # --compile: generator states are host objects; the graph breaks here
-    def on_rank_stream(self, x):
-        with tp_rank_rng(self.tp_rank, x.device):
-            return super().forward(x)
-
-
-def fork_sequence_parallel_dropouts(model, tp_rank):  # every nn.Dropout becomes a TPRankDropout
-    for name, module in list(model.named_modules()):  # listed first: the loop replaces modules
-        if type(module) is nn.Dropout:
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, TPRankDropout(module.p, tp_rank))
-
 class TPAttention(nn.Module):
     """Causal self-attention on this rank's n_head/tp heads: c_attn gives their q, k, v whole, so
     attention itself needs no communication; c_proj's g sums the heads' contributions."""
@@ -444,6 +402,7 @@ class TPAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head // tp.size  # this rank's heads
         self.dropout, self.tp_rank = config.dropout, tp.rank
+
     def forward(self, x):  # x: (B, T, C), or (B, T/tp, C) with SP; TorchTP runs it too
         qkv = self.c_attn(x)  # (B, T, 3C/tp) = [q_r, k_r, v_r]: this rank's heads, whole
         B, T, _ = qkv.shape
@@ -452,6 +411,7 @@ class TPAttention(nn.Module):
         out = self.attend(q, k, v)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, nh/tp, T, hs) -> (B, T, C/tp)
         return self.resid_dropout(self.c_proj(out))  # (B, T, C), or (B, T/tp, C) with SP
+
     def attend(self, q, k, v):
         """GPT's attention core on this rank's heads, its dropout masks from the rank's own stream
         (selective checkpointing recomputes it: the seed drawn again is the same)."""
@@ -478,16 +438,14 @@ class TPGPT(GPT):
         self.to_empty(device=device)
         with torch.no_grad():  # deferred init: one full tensor at a time, keeping this rank's slice
             for name, p in self.named_parameters():
-                if state is not None:
-                    full = state[name]
-                else:
-                    full = init_tensor(name, full_shapes[name], config, seed)
+                full = state[name] if state else init_tensor(name, full_shapes[name], config, seed)
                 p.copy_(shard(name, full, tp.rank, tp.size))
         if tp.sp:
             fork_sequence_parallel_dropouts(self, tp.rank)
         # with SP the replicated parameters see this rank's sequence shard: partial gradients
         replicated = [p for n, p in self.named_parameters() if shard_dim(n) is None]
         self.sequence_parallel_params = replicated if tp.sp else []
+
     def forward(self, idx, targets=None):
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)
@@ -503,27 +461,26 @@ class TPGPT(GPT):
         logits = column_parallel(x, self.transformer.wte.weight, None, self.tp)
         if targets is None:
             return logits, None
-        if self.loss_parallel:
+        if self.loss_parallel:  # the (B*T, V/tp) slices, never gathered
             vocab_start = self.transformer.wte.vocab_start
-            flat_logits = logits.view(B * T, -1)  # (B*T, V/tp)
-            losses = VocabParallelCrossEntropy.apply(flat_logits, targets.view(-1), vocab_start,
-                                                     self.tp.group)
+            losses = VocabParallelCrossEntropy.apply(logits.view(B * T, -1), targets.view(-1),
+                                                     vocab_start, self.tp.group)
             return logits, losses.mean()
         logits = GatherFromVocab.apply(logits, self.tp.group)  # (B, T, V)
         return logits, cross_entropy(logits.view(B * T, -1), targets.view(-1))  # (B*T, V)
 
 
-def all_reduce_grads(grads, group, op=dist.ReduceOp.SUM):
-    """One flat all-reduce of these gradients over `group` (numel x 4 bytes), in place."""
+def all_reduce_grads(grads, group):
+    """One flat all-reduce (SUM) of these gradients over `group` (numel x 4 bytes), in place."""
     flat = torch.cat([grad.reshape(-1) for grad in grads])
-    dist.all_reduce(flat, op=op, group=group)
+    dist.all_reduce(flat, group=group)
     for grad, flat_grad in zip(grads, flat.split([grad.numel() for grad in grads])):
         grad.copy_(flat_grad.view_as(grad))
 
 
 class TensorParallel:
     """The strategy behind the few methods the training loop calls: TPGPT's shards on the TP group
-    (a row of the D x tp_size grid), its gradients averaged over the DP group (a column)."""
+    (a row of the D x tp_size grid), its gradients summed over the DP group (a column)."""
     def __init__(self, config, args, device, state=None):
         self.args, self.device = args, device
         self.tp_size = args.tensor_parallel_size
@@ -538,6 +495,7 @@ class TensorParallel:
         compile_forward(self.model.transformer.h, args.compile, BLOCK_LINEARS + ("attn.attend",))
         # full: a block's recompute runs its forward collectives again in backward
         checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
+
     def share_rng(self, resumed):
         """Dropout's shared stream, the default generators (CPU and device): equal on the TP group,
         once. Fresh: seeded by DP rank. Resumed: TP rank 0's go to the others (layouts differ)."""
@@ -549,34 +507,38 @@ class TensorParallel:
                 generator.set_state(state.cpu())
             else:
                 generator.manual_seed(self.args.seed + dist.get_rank(self.dp_group))
+
     def configure_optimizer(self, args, state=None):
         betas = (args.beta1, args.beta2)
         named = self.model.named_parameters()
         optimizer = configure_optimizer(named, args.weight_decay, args.learning_rate, betas)
         if state:  # a checkpoint's AdamW state, keyed by parameter name
-            for name, p in self.model.named_parameters():
-                piece = functools.partial(self.local_piece, name, p)  # full tensor -> this rank's
-                set_adamw_state(optimizer, p, state[name], piece)
+            for name, p in self.model.named_parameters():  # each full moment cut to this rank's
+                set_adamw_state(optimizer, p, state[name], lambda t: self.local_piece(name, p, t))
         return optimizer
+
     def local_piece(self, name, p, full):
         """A new tensor laid out like parameter `p`: this rank's piece of the full tensor `name`."""
         return torch.empty_like(p).copy_(shard(name, full, self.model.tp.rank, self.tp_size))
+
     def forward_backward(self, x, y, sync):
         """One micro-step; returns its loss. sync=False: accumulate only."""
         with activations.first():  # the bytes autograd saves for backward, once: SP shrinks them
             with autocast(self.args, self.device):
                 _, loss = self.model(x, y)
-            (loss / self.args.grad_accum_steps).backward()  # each micro-step: 1/A of the rows
+            (loss / (self.args.grad_accum_steps * len(self.grid))).backward()  # see sum_over_dp
         if sync:
-            self.average_over_dp([p.grad for p in self.model.parameters()])
+            self.sum_over_dp([p.grad for p in self.model.parameters()])
         if sync and self.model.sequence_parallel_params:  # each rank's from its shard only: sum
             all_reduce_grads([p.grad for p in self.model.sequence_parallel_params], self.tp_group)
         return loss.detach().float()
-    def average_over_dp(self, grads):
-        """DP: the mean over the DP group of this rank's local gradients, one flat all-reduce of
-        about 4P/tp_size bytes after backward (Megatron's default; ddp_train.py overlaps it)."""
+
+    def sum_over_dp(self, grads):
+        """DP: the local gradients of losses / (A micro-steps x D ranks), summed over the DP group:
+        the mean, by one flat all-reduce of about 4P/tp_size bytes after backward (no overlap)."""
         if len(self.grid) > 1:
-            all_reduce_grads(grads, self.dp_group, op=dist.ReduceOp.AVG)
+            all_reduce_grads(grads, self.dp_group)
+
     @torch.no_grad()
     def eval_loss(self, x, y):
         self.model.eval()
@@ -584,12 +546,14 @@ class TensorParallel:
             _, loss = self.model(x, y)
         self.model.train()
         return loss.float()
+
     def clip_grad_norm_(self, max_norm):
         # the sharded gradients' squares summed over the TP group, the replicated ones counted once
         named = list(self.model.named_parameters())
         sharded = [p.grad for n, p in named if shard_dim(n) is not None]
         replicated = [p.grad for n, p in named if shard_dim(n) is None]
         return clip_grad_norm_(sharded, replicated, max_norm, self.tp_group)
+
     def full_state(self, optimizer):
         """Collective: the full format in rank 0's CPU memory (None elsewhere), gathered from the TP
         group a tensor at a time, each copied to rank 0's CPU before the next."""
@@ -608,18 +572,64 @@ class TensorParallel:
             return None, None
         model["lm_head.weight"] = model["transformer.wte.weight"]  # tied; last, as in GPT's
         return model, optim
+
     def full_tensor(self, name, tensor):
         """The whole tensor, on this rank's device: a sharded one all-gathered from the TP group."""
         if shard_dim(name) is not None:  # every rank sends its shard to every other rank
             shards = all_gather(tensor, self.tp_group, dim=0).chunk(self.tp_size)
             tensor = unshard(name, list(shards))
         return tensor
+
     def describe(self):
         grid = f"DP {len(self.grid)} x TP {self.tp_size} grid {self.grid.tolist()} (row = TP group)"
-        sp = f"sequence_parallel {self.args.sequence_parallel}"
-        loss = f"loss_parallel {self.args.loss_parallel}"
         mib = held_bytes(self.model.parameters()) / 2**20
-        return f"{grid}, {sp}, {loss}, {mib:.2f} MiB of parameters per rank"
+        return (f"{grid}, sequence_parallel {self.args.sequence_parallel}, loss_parallel "
+                f"{self.args.loss_parallel}, {mib:.2f} MiB of parameters per rank")
+
+
+# ---- the strategy: dropout's two random streams, as in Megatron (--dropout, 0 by default) ----
+# Activations every TP rank holds whole draw the same masks from the shared stream (share_rng);
+# a rank's own heads, and with SP its sequence shard, draw from the rank's own stream, forked here.
+
+def device_generator(device):
+    """The generator the device's ops draw from: CUDA ops the GPU's, not the CPU's."""
+    cuda = device.type == "cuda"
+    return torch.cuda.default_generators[device.index] if cuda else torch.default_generator
+
+
+@contextmanager
+def tp_rank_rng(tp_rank, device):
+    """Seeds the device's generator with seed + tp_rank, seed drawn from the shared CPU stream (no
+    device sync), and puts the shared state back on exit: restored with it from a checkpoint."""
+    seed, generator = int(torch.randint(2**62, ())), device_generator(device)
+    shared = generator.get_state()
+    generator.manual_seed(seed + tp_rank)
+    try:
+        yield
+    finally:
+        generator.set_state(shared)
+
+
+class TPRankDropout(nn.Dropout):
+    """--sequence_parallel: GPT's nn.Dropouts act on sequence shards: the rank's own stream."""
+    def __init__(self, dropout, tp_rank):
+        super().__init__(dropout)
+        self.tp_rank = tp_rank
+
+    def forward(self, x):
+        return self.on_rank_stream(x) if self.training and self.p else super().forward(x)
+
+    @torch.compiler.disable  # --compile: generator states are host objects; the graph breaks here
+    def on_rank_stream(self, x):
+        with tp_rank_rng(self.tp_rank, x.device):
+            return super().forward(x)
+
+
+def fork_sequence_parallel_dropouts(model, tp_rank):  # every nn.Dropout becomes a TPRankDropout
+    for name, module in list(model.named_modules()):  # listed first: the loop replaces modules
+        if type(module) is nn.Dropout:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, TPRankDropout(module.p, tp_rank))
 
 
 def add_tp_flags(group):
@@ -627,10 +637,8 @@ def add_tp_flags(group):
                        help="tp_size (default: world size / D)")
     group.add_argument("--data_parallel_size", type=int, default=None,
                        help="D (default: world size / tp_size, else 1)")
-    add_bool(group, "--sequence_parallel", False,
-             "split LayerNorm/dropout/residual activations by sequence")
-    add_bool(group, "--loss_parallel", True,
-             "vocab-parallel cross-entropy; false: gather the logits")
+    add_bool(group, "--sequence_parallel", False, "split activations between linears by sequence")
+    add_bool(group, "--loss_parallel", True, "vocab-parallel cross-entropy (false: gather logits)")
     add_bool(group, "--tp_overlap", True,
              "split the activations' collectives into pieces that travel under the matmuls")
 
@@ -645,20 +653,15 @@ def check_tp_args(args, world_size):
     for flag, size in (("--tensor_parallel_size", tp_size), ("--data_parallel_size", D)):
         if size is not None and size <= 0:
             die(f"{flag}: must be > 0, got {size}")
-    if tp_size is None:
-        tp_size = world_size // (D or 1)
-    if D is None:
-        D = world_size // max(tp_size, 1)
+    tp_size = tp_size or world_size // (D or 1)
+    D = D or world_size // max(tp_size, 1)
     dims = [("--n_head", args.n_head), ("--n_embd", args.n_embd), ("--vocab_size", args.vocab_size)]
+    dims += [("--block_size", args.block_size)] * args.sequence_parallel  # SP splits the sequence
     for flag, value in dims:
         if tp_size and value % tp_size:
             die(f"{flag}: {value} must be divisible by --tensor_parallel_size ({tp_size})")
-    if tp_size and args.sequence_parallel and args.block_size % tp_size:
-        die(f"--block_size: sequence length {args.block_size} must be divisible by "
-            f"--tensor_parallel_size ({tp_size}) with --sequence_parallel")
     if tp_size * D != world_size or tp_size == 0:
-        die(f"--tensor_parallel_size: {tp_size} x --data_parallel_size {D} must equal the world "
-            f"size ({world_size})")
+        die(f"--tensor_parallel_size: {tp_size} x --data_parallel_size {D} != {world_size} ranks")
     check_batch_split(args, D)
     args.tensor_parallel_size, args.data_parallel_size = tp_size, D
     return D

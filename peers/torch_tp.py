@@ -6,7 +6,7 @@ c_fc (CopyToTP's f), RowwiseParallel for the c_projs and the vocabulary-split wt
 g), SequenceParallel LayerNorms with --sequence_parallel; torch's loss_parallel() computes the
 vocab-parallel cross-entropy (VocabParallelCrossEntropy) and DTensor.full_tensor() gathers the
 checkpoint (full_tensor). These are the methods that differ; tp_train.py's TorchTP takes the rest
-(the grid's dropout streams, the DP mean, optimizer, checkpoint format, describe) from its
+(the grid's dropout streams, the DP sum, optimizer, checkpoint format, describe) from its
 TensorParallel class, and gives this class the script's head split (shard, unshard), attention
 (TPAttention) and dropout fork (fork_dropouts)."""
 import types
@@ -77,7 +77,7 @@ def local(t):
 class TorchTP:
     """GPT's parameters become DTensors on the TP mesh (the same column/row/vocabulary split as
     TPGPT's, SequenceParallel LayerNorms), torch's loss_parallel() computes the vocab-parallel
-    cross-entropy; the DP group averages the local gradients with one all-reduce."""
+    cross-entropy; the DP group sums the local gradients with one all-reduce."""
 
     def __init__(self, config, args, device, state=None):
         self.args, self.device = args, device
@@ -139,7 +139,7 @@ class TorchTP:
         with activations.first(), vocab_parallel:
             with autocast(self.args, self.device):
                 _, loss = self.model(x, y)
-            (loss / self.args.grad_accum_steps).backward()
+            (loss / (self.args.grad_accum_steps * len(self.grid))).backward()  # see sum_over_dp
         if sync:
             # Gradients may come back in another placement than their parameter: SequenceParallel's
             # LayerNorms (and the row biases') as Partial(sum), the sharded wpe's as Replicate.
@@ -147,7 +147,7 @@ class TorchTP:
             for p in params:
                 if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
                     p.grad = p.grad.redistribute(placements=p.placements)
-            self.average_over_dp([local(p.grad) for p in params])
+            self.sum_over_dp([local(p.grad) for p in params])
         return local(loss).detach().float()
 
     @torch.no_grad()

@@ -8,6 +8,7 @@ import ast
 import difflib
 import glob
 import os
+import re
 
 import pytest
 
@@ -26,10 +27,10 @@ TIER2 = {
         +DeferredWeightGrads.run +accumulate_grad_ +DeferredLinear +DeferredLinear.forward +DeferredLinear.backward
         +DeferredLinear.backward.weight_grad +defer_weight_grads +zero_bubble_h1 +zero_bubble_v +zero_bubble_v.came
         Pipeline Pipeline.__init__ Pipeline.rank_of Pipeline.stage_of Pipeline.run Pipeline.sum_tied_gradient
-        schedule_actions stage_index stage_rank messages timetable p2p_program check_pp_args
+        schedule_actions stage_index stage_rank messages timetable p2p_program add_pp_flags check_pp_args
         ZERO_BUBBLE"""),  # bound: 262 measured
     "tp_overlap_train.py": ("tp_train.py", 198, """
-        +OVERLAP_CHUNKS +wait +ring_pass +ring_all_gather +ring_reduce_scatter +autocast_inputs
+        +OVERLAP_CHUNKS +wait +pass_to_next +ring_all_gather +ring_reduce_scatter +autocast_inputs
         +OverlappedColumnParallel +OverlappedColumnParallel.forward +OverlappedColumnParallel.backward
         +OverlappedRowParallel +OverlappedRowParallel.forward +OverlappedRowParallel.backward +column_parallel
         +row_parallel ColumnParallelLinear.forward RowParallelLinear.forward TPGPT.forward TPGroup TPGroup.__init__
@@ -218,3 +219,40 @@ def test_a_fix_not_copied_to_the_tier2_twin_fails(tmp_path, monkeypatch):
     problems = undeclared(base, variant, TIER2[variant][2].split())
     print("\n".join(problems))
     assert len(problems) == 1 and problems[0].startswith(f"{variant}: ZeRO1.forward_backward differs from {base}'s")
+
+
+# Pieces that several scripts write out, each from its own lesson (no script imports another), which must read the
+# same wherever they appear: name -> the scripts that hold it. A fix to one copy is a fix to copy to the others.
+SHARED_COPIES = {
+    "VocabParallelCrossEntropy": ["tp_train.py", "tp_overlap_train.py", "hybrid_train.py", "pp_vocab_train.py"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_COPIES))
+def test_shared_copies_are_identical(name):
+    """Each definition of SHARED_COPIES, its methods and the comments above it included, is the same text in every
+    script that holds it."""
+    copies = {}
+    for script in SHARED_COPIES[name]:
+        units = definitions(os.path.join(REPO, script))
+        copies[script] = {unit: text for unit, text in units.items() if unit == name or unit.startswith(name + ".")}
+        assert name in copies[script], f"{script} has no {name}"
+    first, *others = SHARED_COPIES[name]
+    for script in others:
+        for unit in sorted(copies[first].keys() | copies[script].keys()):
+            a, b = copies[first].get(unit, ""), copies[script].get(unit, "")
+            assert a == b, "\n".join(difflib.unified_diff(a.splitlines(), b.splitlines(), first, script,
+                                                          f"{unit} ({first})", f"{unit} ({script})", lineterm=""))
+
+
+def test_every_script_writes_its_own_out_dir_by_default(capsys):
+    """A tier-2 script writes its checkpoint and metrics beside its base's, never over them: --out_dir defaults to
+    out/<the script's name less _train.py> (the default --help prints)."""
+    import importlib
+    defaults = {}
+    for script in scripts():
+        with pytest.raises(SystemExit):
+            importlib.import_module(script[:-3]).main(["--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        defaults[script] = re.search(r"--out_dir OUT_DIR [^(]*\(default: ([^)]*)\)", text).group(1)
+    assert defaults == {script: os.path.join("out", script[:-len("_train.py")]) for script in scripts()}
