@@ -3,7 +3,8 @@ lines (rank 0), named wait timers, the saved-activation meter, model-state bytes
 
 Lines of <out_dir>/metrics.jsonl (a fresh run truncates it, a resumed run appends):
   step:  {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_ms", "peak_mem_bytes"}; a
-         mixture of experts also "aux_loss" (its load-balancing loss, before its coefficient)
+         mixture of experts also "aux_loss" (its load-balancing loss, before its coefficient) and
+         "expert_load" (the most-loaded expert's slots over the mean, at the worst layer)
   eval:  {"step", "val_loss", "train_loss"}                      (no "loss" key)
   final: {"summary": true, "model_state_bytes", "peak_mem_bytes", "tokens_per_sec" (median),
           "model_state_bytes_per_rank", "peak_mem_bytes_per_rank" (at the last step, before the
@@ -259,6 +260,13 @@ class MFU:
         return tokens_per_sec * self.flops_per_token / self.peak
 
 
+def expert_load(slots, n_experts):
+    """Each MoE layer's most-loaded expert's slots over the mean of its experts' (1.0: balanced),
+    from the slots per expert of every layer, one list: (L*E,) numbers -> L numbers."""
+    layers = [slots[i:i + n_experts] for i in range(0, len(slots), n_experts)]
+    return [max(layer) / (sum(layer) / n_experts) for layer in layers]
+
+
 class Metrics:
     def __init__(self, out_dir, enabled, tensorboard=True, start_step=0, mfu=None):
         """start_step > 0 (a resumed run): keep the lines of steps before it, drop the rest (steps
@@ -310,21 +318,28 @@ class Metrics:
                     self.writer.add_scalar(key, value, record["step"])
 
     def step(self, step, loss, lr, grad_norm, tokens, seconds, device, log_interval,
-             aux_loss=None):
+             aux_loss=None, expert_load=None):
         """aux_loss: a mixture of experts' load-balancing loss, logged beside the loss; None (a
-        dense GPT): no such key."""
+        dense GPT): no such key. expert_load: its layers' most-loaded expert's slots over their
+        mean (1.0: balanced), logged as their worst and, in TensorBoard, each layer's."""
         timers.end_step()
         self.peak_mem_bytes = peak_mem_bytes(device)
         mfu = self.mfu(tokens / seconds) if self.mfu is not None else None
         record = dict(step=step, loss=loss)
         if aux_loss is not None:
             record["aux_loss"] = aux_loss
+        if expert_load is not None:
+            record["expert_load"] = max(expert_load)
         record.update(lr=lr, grad_norm=grad_norm, tokens_per_sec=tokens / seconds,
                       step_ms=1000 * seconds, peak_mem_bytes=self.peak_mem_bytes, mfu=mfu)
         self.log(record)
+        if self.writer is not None and expert_load is not None:
+            for layer, value in enumerate(expert_load):
+                self.writer.add_scalar(f"expert_load/layer_{layer}", value, step)
         if self.enabled and (step % log_interval == 0):
             shown = "-" if mfu is None else f"{100 * mfu:.1f}%"  # "-": no known peak (a CPU)
             aux = "" if aux_loss is None else f", aux {aux_loss:.4f}"
+            aux += "" if expert_load is None else f", load {max(expert_load):.2f}"
             print(f"iter {step}: loss {loss:.4f}{aux}, lr {lr:.2e}, norm {grad_norm:.3f}, "
                   f"time {1000 * seconds:.1f}ms, {tokens / seconds:,.0f} tok/s, mfu {shown}",
                   flush=True)

@@ -120,6 +120,16 @@ def route(probs, k):
     return gates, experts[..., :k].contiguous()
 
 
+def count_slots(slots, n_experts):
+    """How many of each row's slots went to each expert, without reading anything back to the host:
+    bincount would (on CUDA it reads its input's min and max to size its output). A scatter_add_
+    of ones into a known shape instead; its CUDA kernel is deterministic (torch's reproducibility
+    notes list it under --deterministic), and integer sums are exact in any order anyway.
+    slots (..., S) int64 -> counts (..., n_experts) int64."""
+    counts = slots.new_zeros(slots.shape[:-1] + (n_experts,))
+    return counts.scatter_add_(-1, slots, torch.ones_like(slots))
+
+
 def load_balance_loss(probs, experts):
     """The auxiliary load-balancing loss, per sequence and then its mean over the sequences (so a
     micro-batch, a rank and one process compute the same value): E * sum_i f_i * P_i, with f_i the
@@ -129,9 +139,7 @@ def load_balance_loss(probs, experts):
     through P (f counts choices). probs (B, T, E), experts (B, T, k) -> a 0-dim fp32 tensor."""
     B, T, E = probs.shape
     slots = experts.view(B, -1)  # (B, T*k): each sequence's expert slots
-    bins = slots + E * torch.arange(B, device=slots.device).unsqueeze(1)  # (sequence, expert)
-    # bincount, not a 2-D scatter_add_, which has no deterministic CUDA kernel (--deterministic)
-    counts = torch.bincount(bins.flatten(), minlength=B * E).view(B, E)  # (B*E,) -> (B, E)
+    counts = count_slots(slots, E)  # (B, E)
     f = counts.to(probs.dtype) / slots.size(1)  # the share of slots per expert
     P = probs.mean(dim=1)  # (B, E)
     return (E * (f * P).sum(dim=-1)).mean()
@@ -142,7 +150,7 @@ def sort_by_expert(experts, n_experts):
     token order (a stable sort), and the slots per expert. experts (N, k) -> order (N*k,),
     counts (n_experts,)."""
     flat = experts.flatten()  # (N*k,)
-    return flat.argsort(stable=True), torch.bincount(flat, minlength=n_experts)
+    return flat.argsort(stable=True), count_slots(flat, n_experts)
 
 
 def invert(permutation):
@@ -174,7 +182,7 @@ class MoE(nn.Module):
     outputs come back weighted by the gates (route). Dropless: every token reaches its k experts,
     however many choose the same one; no capacity factor. The experts are a ModuleDict keyed by
     index, so a shard of them (ep_train.py) keeps the names, and the init, of the full model. The
-    load-balancing loss of the last forward is in `aux_loss`.
+    load-balancing loss of the last forward is in `aux_loss`, its slots per expert in `load`.
 
     `dispatch_combine` moves the rows to the experts and back. Here every expert is local;
     ep_train.py replaces it, on each MoE, with all-to-alls to the ranks that hold the experts."""
@@ -185,7 +193,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(i): Expert(config) for i in range(config.n_experts)})
         self.dropout = nn.Dropout(config.dropout)
         self.n_experts, self.top_k = config.n_experts, config.top_k
-        self.aux_loss = None
+        self.aux_loss = self.load = None
 
     def forward(self, x):
         B, T, C = x.size()
@@ -196,6 +204,7 @@ class MoE(nn.Module):
             probs = F.softmax(self.router(x.float()), dim=-1)  # (B, T, E)
         gates, experts = route(probs, self.top_k)  # each (B, T, k)
         self.aux_loss = load_balance_loss(probs, experts)
+        self.load = count_slots(experts.view(-1), self.n_experts)  # (E,): this forward's slots
         rows = x.view(B * T, C)  # (B, T, C) -> (B*T, C)
         if torch.is_autocast_enabled(x.device.type):  # the rows in the compute dtype (bf16): the
             rows = rows.to(torch.get_autocast_dtype(x.device.type))  # experts' first cast, earlier
@@ -262,6 +271,11 @@ class GPT(nn.Module):
         if not self.config.n_experts:
             return None
         return torch.stack([block.mlp.aux_loss for block in self.transformer.h]).mean()
+
+    def expert_load(self):
+        """A mixture of experts: the slots each expert of each block got in the last forward,
+        (n_layer, E) int64 on the device (summed over the ranks, the global batch's load)."""
+        return torch.stack([block.mlp.load for block in self.transformer.h])
 
     def forward(self, idx, targets=None):
         B, T = idx.size()
@@ -437,13 +451,20 @@ def materialize_(module, prefix, config, seed, device=None):
 FUSED_ADAMW = True
 
 
+def is_stacked_expert(name):
+    """Whether `name` is a tensor of several experts stacked (no expert index after .experts.)."""
+    _, found, rest = name.partition(".experts.")
+    return bool(found) and not rest.split(".")[0].isdigit()
+
+
 def configure_optimizer(named_params, weight_decay, learning_rate, betas):
     """AdamW with eps 1e-8, fused; weight decay only on tensors with 2 or more dimensions (matmul
     weights and embeddings), none on biases and LayerNorm weights. `named_params`: (name, tensor)
-    pairs."""
+    pairs. A stacked expert tensor (ep_train.py's experts.c_fc.weight, (expert, out, in), where one
+    process has experts.3.c_fc.weight) counts the dimensions of one expert's."""
     named_params = [(n, p) for n, p in named_params if p.requires_grad]
-    decay = [p for n, p in named_params if p.dim() >= 2]
-    no_decay = [p for n, p in named_params if p.dim() < 2]
+    decay = [p for n, p in named_params if p.dim() - is_stacked_expert(n) >= 2]
+    no_decay = [p for n, p in named_params if p.dim() - is_stacked_expert(n) < 2]
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=1e-8, fused=FUSED_ADAMW)

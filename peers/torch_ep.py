@@ -20,6 +20,8 @@ class TorchEP:
         self.args, self.device = args, device
         if state is not None:
             self.model.load_state_dict(state)
+        # Each tensor with its one name, none stacked: what EP's configure_optimizer reads
+        self.layout = [(p, [name], False) for name, p in self.model.named_parameters()]
         torch_checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         device_ids = [device.index] if device.type == "cuda" else None
         # Its reducer's buckets, 25 MiB by default, all-reduced as backward fills them: every
@@ -33,9 +35,10 @@ class TorchEP:
             with activations.first(), autocast(self.args, self.device):
                 _, loss = self.ddp(x, y)
             aux_loss = self.model.aux_loss()
+            load = self.model.expert_load().flatten()  # (L, E) -> (L*E,)
             objective = loss + self.args.aux_loss_coef * aux_loss
             (objective / self.args.grad_accum_steps).backward()  # DDP divides by the ranks
-        return torch.stack([loss, aux_loss]).detach().float()
+        return torch.cat([torch.stack([loss, aux_loss]), load]).detach().float()
 
     def clip_grad_norm_(self, max_norm):
         # Equal on every rank after DDP's all-reduce: no communication

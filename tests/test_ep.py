@@ -11,6 +11,7 @@ on the pre-clip grad norm; bf16 is compared with the fp32 reference at tests/tes
 import copy
 import os
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -25,8 +26,8 @@ from common.config import gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import autocast
 from common.metrics import model_state_bytes
-from common.model import GPT, GPTConfig, MoE, load_balance_loss, route
-from ep_train import EP, ExpertParallel, add_ep_flags
+from common.model import GPT, GPTConfig, MoE, load_balance_loss, route, run_experts
+from ep_train import EP, ExpertParallel, GroupedExperts, add_ep_flags
 
 TOL, NORM_TOL, BF16_TOL = 1e-5, 1e-6, 5e-3  # tests/test_parity.py's and tests/test_bf16.py's
 STEPS, CUT, SHORT = 15, 6, 10  # SHORT: the runs that need fewer steps (the schedule pinned to STEPS' as it is)
@@ -49,22 +50,22 @@ def forced_route(probs, k):
 
 def _main(script, argv, forced=False):
     """script's main(argv) in this spawned rank (its process group already made); returns, per training forward of
-    each MoE layer, the rows this rank's experts computed (ep_train.run_experts, wrapped)."""
+    each MoE layer, the rows this rank's experts computed (ep_train.GroupedExperts.forward, wrapped)."""
     rows = []
-    original_route, original_run = common.model.route, ep_train.run_experts
+    original_route, original_forward = common.model.route, GroupedExperts.forward
 
-    def counting_run(experts, received, counts):
+    def counting_forward(self, received, *args):
         if torch.is_grad_enabled():  # a training forward, not an evaluation
             rows.append(received.size(0))
-        return original_run(experts, received, counts)
+        return original_forward(self, received, *args)
 
-    ep_train.run_experts = counting_run
+    GroupedExperts.forward = counting_forward
     if forced:
         common.model.route = forced_route
     try:
         ep_train.main(argv)
     finally:
-        common.model.route, ep_train.run_experts = original_route, original_run
+        common.model.route, GroupedExperts.forward = original_route, original_forward
     return rows
 
 
@@ -73,9 +74,11 @@ def _runs(rank, world_size, runs, checks=False):
     for key, value in dict(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world_size).items():
         os.environ[key] = str(value)
     out = {"rows": [_main(*run) for run in runs]}
+    if world_size < 4:
+        out["syncs"] = _host_syncs(rank, world_size)
     if checks:
         out.update(identity=_identity(rank, world_size), ledger=_ledger(rank, world_size),
-                   per_token=_per_token_ep(rank, world_size))
+                   per_token=_per_token_ep(rank, world_size), order=_collective_order(rank, world_size))
     return out
 
 
@@ -257,8 +260,8 @@ def _identity(rank, world_size):
     for k, gate in ((1, [1.0]), (2, [1.0, 1.0]), (2, [1.0, 0.0])):
         experts = torch.randint(0, 3, (rows.size(0), k))  # 0..2: none for expert 3, on rank 1
         gates = torch.tensor(gate).expand(rows.size(0), k)
-        local = {str(i): torch.nn.Identity() for i in range(2 * rank, 2 * rank + 2)}
-        dispatch = ExpertParallel(torch.nn.ModuleDict(local), SimpleNamespace(n_experts=4, top_k=k), dist.group.WORLD)
+        identity = lambda received, expert_of_row, counts, sizes: received  # noqa: E731, the experts' interface
+        dispatch = ExpertParallel(identity, SimpleNamespace(n_experts=4, top_k=k), dist.group.WORLD)
         expected = rows * sum(gate)
         results.append(torch.equal(dispatch(rows, experts, gates), expected))
     return results
@@ -296,10 +299,170 @@ def _ledger(rank, world_size):
         finally:
             dist.all_to_all_single, common.model.route = original, original_route
         optimizer.step()
-        experts = {n: p.numel() for n, p in strategy.model.named_parameters() if ".experts." in n}
-        state = {n: sorted(optimizer.state[p]) for n, p in strategy.model.named_parameters() if ".experts." in n}
+        # Each expert's tensors by their one-process names: expert j's rows of this rank's stacked tensors
+        expert_tensors = [(name, p[j], optimizer.state[p]) for p, names, stacked in strategy.layout if stacked
+                          for j, name in enumerate(names)]
+        experts = {name: t.numel() for name, t, _ in expert_tensors}
+        state = {name: sorted(s) for name, _, s in expert_tensors}
+        assert all(s["exp_avg"].shape == p.shape for p, _, _ in strategy.layout for s in [optimizer.state[p]])
         found[dtype] = sent, experts, state, model_state_bytes(optimizer), chosen
     return found
+
+
+@contextmanager
+def cuda_syncs():
+    """Yields the names of the calls, in order, that make the host wait for a CUDA device: the reads back (.item,
+    .tolist, .cpu, ...) and the ops whose output's size depends on values, which read them back to size it
+    (bincount: its input's min and max; nonzero, unique, masked_select, repeat_interleave without output_size,
+    indexing by a boolean mask). On the CPU none waits: wrapped here, they count what CUDA would do."""
+    calls, patches = [], []
+
+    def wrap(owner, attr, syncs=lambda *args, **kwargs: True):
+        original = getattr(owner, attr)
+
+        def call(*args, **kwargs):
+            if syncs(*args, **kwargs):
+                calls.append(attr)
+            return original(*args, **kwargs)
+        patches.append((owner, attr, original))
+        setattr(owner, attr, call)
+
+    def sizes_from_values(*args, output_size=None, **kwargs):  # repeat_interleave(input, repeats) or (repeats)
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0])
+        return isinstance(repeats, torch.Tensor) and output_size is None
+
+    def by_mask(tensor, index):
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (index if type(index) is tuple
+                                                                                   else (index,)))
+    try:
+        for owner in (torch, torch.Tensor):
+            for attr in ("nonzero", "unique", "masked_select"):
+                wrap(owner, attr)
+            wrap(owner, "repeat_interleave", sizes_from_values)
+        wrap(torch, "bincount")
+        wrap(torch.Tensor, "__getitem__", by_mask)
+        for attr in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+            wrap(torch.Tensor, attr)
+        yield calls
+    finally:
+        for owner, attr, original in patches:
+            setattr(owner, attr, original)
+
+
+def _host_syncs(rank, world_size):
+    """Per --activation_checkpointing none and full: the CUDA syncs (cuda_syncs) of one step's forward_backward calls
+    (2 micro-steps, fp32), this rank's rows of the global batch."""
+    found = {}
+    for mode in ("none", "full"):
+        args = parse_args("ep", add_ep_flags, TINY + MOE + ACCUM + ["--activation_checkpointing", mode])
+        strategy = EP(gpt_config(args), args, torch.device("cpu"))
+        x, y = get_batch("train", 0, 8, 32, 1337)
+        micro = 8 // world_size // 2
+        with cuda_syncs() as calls:
+            for j in range(2):
+                part = slice((2 * rank + j) * micro, (2 * rank + j + 1) * micro)
+                strategy.forward_backward(x[part], y[part], sync=j == 1)
+        found[mode] = calls
+    return found
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_one_host_sync_per_moe_layer_and_micro_step(nproc, runs):
+    """At EP 1 and EP 2, with and without --activation_checkpointing full (whose recompute reuses the forward's
+    sizes): each MoE layer's forward and backward together wait for the device once a micro-step, the .tolist() of
+    the split sizes; counting the ops that sync on CUDA (cuda_syncs), as well as the reads back."""
+    for rank, r in enumerate(runs[f"checks{nproc}"]):
+        for mode, calls in r["syncs"].items():
+            print(f"EP {nproc} rank {rank}, --activation_checkpointing {mode}: {calls}")
+            assert calls == ["tolist"] * 2 * 2, (nproc, rank, mode, calls)  # 2 micro-steps x 2 layers
+
+
+def _collective_order(rank, world_size):
+    """One step (2 micro-steps) with buckets of 16 KiB (several: TINY's dense gradients are 13 MB, one bucket at
+    the default), the collectives recorded in the order each rank starts them: ("all_to_all",) or ("all_reduce",
+    numel); and the pre-clip grad norm, against that of the default buckets."""
+    found, original_a2a, original_reduce = {}, dist.all_to_all_single, dist.all_reduce
+    for cap in (16 / 1024, ep_train.BUCKET_CAP_MB):
+        calls = []
+
+        def all_to_all(*args, **kwargs):
+            calls.append(("all_to_all",))
+            return original_a2a(*args, **kwargs)
+
+        def all_reduce(tensor, *args, **kwargs):
+            calls.append(("all_reduce", tensor.numel()))
+            return original_reduce(tensor, *args, **kwargs)
+
+        args = parse_args("ep", add_ep_flags, TINY + MOE + ACCUM)
+        default, ep_train.BUCKET_CAP_MB = ep_train.BUCKET_CAP_MB, cap
+        try:
+            strategy = EP(gpt_config(args), args, torch.device("cpu"))
+        finally:
+            ep_train.BUCKET_CAP_MB = default
+        x, y = get_batch("train", 0, 8, 32, 1337)
+        dist.all_to_all_single, dist.all_reduce = all_to_all, all_reduce
+        try:
+            for j in range(2):
+                part = slice((2 * rank + j) * 2, (2 * rank + j + 1) * 2)
+                strategy.forward_backward(x[part], y[part], sync=j == 1)
+        finally:
+            dist.all_to_all_single, dist.all_reduce = original_a2a, original_reduce
+        found[cap] = calls, len(strategy.buckets.buckets), strategy.clip_grad_norm_(0).item()
+    return found
+
+
+def test_every_rank_starts_the_all_to_alls_and_the_buckets_in_one_order(runs):
+    """The order GradientBuckets' docstring argues: at EP 2, the all-to-alls and the buckets' all-reduces come in the
+    same order on both ranks, the buckets during the last micro-step's backward, between its all-to-alls (hidden
+    behind the layers' backward that follow), each bucket once; the norm is the default buckets' bit for bit."""
+    ranks = [r["order"] for r in runs["checks2"]]
+    small, default = 16 / 1024, ep_train.BUCKET_CAP_MB
+    calls, n_buckets, norm = ranks[0][small]
+    assert all(r[small][0] == calls for r in ranks), "one order on every rank"
+    assert n_buckets > 4 and ranks[0][default][1] == 1
+    reduces = [i for i, call in enumerate(calls) if call[0] == "all_reduce"]
+    assert len(reduces) == n_buckets, "each bucket once, on the syncing micro-step only"
+    last_a2a = max(i for i, call in enumerate(calls) if call[0] == "all_to_all")
+    assert reduces[0] < last_a2a, "a bucket leaves while backward still has layers to run"
+    assert all(r[small][2] == r[default][2] == norm for r in ranks)
+
+
+def test_expert_load_is_the_worst_layers_max_over_mean_of_the_global_batch(runs):
+    """Forced (every token to experts 0 and 1 of 4, k = 2): each of those gets N rows, the others none, max over mean
+    2.0, at every step, in one process, EP 2 and torch DDP. Unforced, step 0: the figure one process's routing of the
+    global batch gives (the initial weights), at EP 1 and EP 2."""
+    for name in ("reference-forced", "ep2-forced", "ep2-pytorch-forced"):
+        loads = [r["expert_load"] for r in read_metrics(runs[name][0]) if "loss" in r]
+        assert loads == [2.0] * SHORT, (name, loads)
+    routing, _ = _one_process_routing()
+    counts = [torch.bincount(experts.flatten(), minlength=4).float() for experts in routing]  # per layer (E,)
+    expected = max((c.max() / c.mean()).item() for c in counts)
+    for name in ("reference", "ep2", "ep4", "ep2xdp2"):
+        logged = [r["expert_load"] for r in read_metrics(runs[name][0]) if "loss" in r]
+        print(f"{name}: expert_load at step 0 {logged[0]:.4f}, from one process's routing {expected:.4f}")
+        assert abs(logged[0] - expected) <= 1e-6 and expected > 1.05
+
+
+def test_grouped_experts_equal_the_loop_and_an_expert_without_rows_gets_zeros():
+    """GroupedExperts (torch._grouped_mm) against common.model's run_experts (a matmul pair an expert, as one
+    process runs them) on the same weights, expert 2 of 4 given no row: the output and every gradient within
+    MOE_TOL, expert 2's zeros, not None."""
+    moe = distinct_moe(2)
+    grouped = grouped_experts(moe, [0, 1, 2, 3], True)
+    sizes = [5, 3, 0, 7]
+    x, w = torch.randn(2, 15, 16, generator=torch.Generator().manual_seed(0))
+    inputs = [x.clone().requires_grad_() for _ in range(2)]
+    counts = torch.tensor(sizes)
+    expert_of_row = torch.arange(4).repeat_interleave(counts, output_size=15)
+    y = grouped(inputs[0], expert_of_row, counts, sizes)
+    expected = run_experts(moe.experts.values(), inputs[1], sizes)
+    (y * w).sum().backward()
+    (expected * w).sum().backward()
+    pairs = [(y, expected), (inputs[0].grad, inputs[1].grad)] + expert_gradients(grouped, moe)
+    print(f"grouped against the loop: worst {largest_relative(pairs):.2e}")
+    assert largest_relative(pairs) <= MOE_TOL
+    assert all(not p.grad[2].any() for p in grouped.parameters())
+    assert all(p.grad[j].any() for p in grouped.parameters() for j in (0, 1, 3))
 
 
 def _one_process_routing(dtype="float32"):
@@ -357,7 +520,7 @@ def test_each_rank_holds_its_experts_and_their_adamw_state_only(runs):
         assert {n.split(".experts.")[1].split(".")[0] for n in experts} == {str(2 * rank), str(2 * rank + 1)}
         assert all(full[n] == v for n, v in experts.items()) and sum(experts.values()) == expert_numel // 2
         assert all(s == ["exp_avg", "exp_avg_sq", "step"] for s in state.values()) and state.keys() == experts.keys()
-        n_tensors = len(full) - len(experts)  # this rank's tensors: full less the other rank's experts
+        n_tensors = len(full) - 4 * 4 * 2 + 4 * 2  # full's dense tensors, and 4 stacked expert tensors a layer
         assert state_bytes == 16 * (dense_numel + expert_numel // 2) + 4 * n_tensors
         held.append(set(experts))
     assert held[0].isdisjoint(held[1]) and held[0] | held[1] == {n for n in full if ".experts." in n}
@@ -476,35 +639,55 @@ def test_moe_equals_the_per_token_reference_with_every_gradient(k):
     assert moe.router.weight.grad.norm() > 1
 
 
+def grouped_experts(moe, held, grouped):
+    """moe's experts `held` (global indices) as ep_train.py holds them: a GroupedExperts of their weights stacked
+    (grouped: torch._grouped_mm, else a matmul pair an expert); the same values."""
+    config = SimpleNamespace(n_embd=moe.router.in_features, expert_hidden=moe.experts["0"].c_fc.out_features, bias=True)
+    experts = GroupedExperts(held, config, grouped)
+    with torch.no_grad():
+        for name, p in experts.named_parameters():
+            p.copy_(torch.stack([moe.experts[str(i)].get_parameter(name) for i in held]))
+    return experts
+
+
+def expert_gradients(experts, reference):
+    """(this gradient, the reference's) for every tensor of every expert of `experts` (a GroupedExperts): expert
+    held[j]'s are row j of the stacked tensors' gradients, the reference's those of the one-process MoE `reference`'s
+    experts.{held[j]}."""
+    return [(p.grad[j], reference.experts[str(i)].get_parameter(name).grad) for name, p in experts.named_parameters()
+            for j, i in enumerate(experts.held)]
+
+
 def _per_token_ep(rank, world_size):
-    """For k = 1, 2, 4: a MoE layer whose dispatch is ExpertParallel (distinct experts, 2r and 2r+1 on rank r) against
-    per_token_moe over both ranks' rows (2 and 3 sequences: uneven), under sum(w y): largest_relative() of the output,
-    the input's gradient, the router's (summed over the ranks, as sync_gradients sums it) and this rank's experts'."""
+    """For k = 1, 2, 4, grouped (torch._grouped_mm) and not (a loop): a MoE layer whose dispatch is ExpertParallel
+    (distinct experts, 2r and 2r+1 on rank r) against per_token_moe over both ranks' rows (2 and 3 sequences: uneven),
+    under sum(w y): largest_relative() of the output, the input's gradient, the router's (summed over the ranks, as
+    the buckets sum it) and this rank's experts'."""
     found = {}
     for k in (1, 2, 4):
-        reference = distinct_moe(k)
-        moe = copy.deepcopy(reference)
-        for name in list(moe.experts):
-            if int(name) // 2 != rank:
-                del moe.experts[name]
-        moe.dispatch_combine = ExpertParallel(moe.experts, SimpleNamespace(n_experts=4, top_k=k), dist.group.WORLD)
-        x, w = torch.randn(2, 5, 4, 16, generator=torch.Generator().manual_seed(k))
-        mine = slice(2 * rank, 2 + 3 * rank)
-        inputs = [x[mine].clone().requires_grad_(), x.clone().requires_grad_()]
-        y, expected = moe(inputs[0]), per_token_moe(reference, inputs[1])
-        (y * w[mine]).sum().backward()
-        (expected * w).sum().backward()
-        router = moe.router.weight.grad.clone()
-        dist.all_reduce(router)
-        pairs = [(y, expected[mine]), (inputs[0].grad, inputs[1].grad[mine]), (router, reference.router.weight.grad)]
-        pairs += [(p.grad, reference.experts.get_parameter(n).grad) for n, p in moe.experts.named_parameters()]
-        found[k] = largest_relative(pairs), len(pairs)
+        for grouped in (True, False):
+            reference = distinct_moe(k)
+            moe = copy.deepcopy(reference)
+            moe.experts = grouped_experts(reference, [2 * rank, 2 * rank + 1], grouped)
+            moe.dispatch_combine = ExpertParallel(moe.experts, SimpleNamespace(n_experts=4, top_k=k), dist.group.WORLD)
+            x, w = torch.randn(2, 5, 4, 16, generator=torch.Generator().manual_seed(k))
+            mine = slice(2 * rank, 2 + 3 * rank)
+            inputs = [x[mine].clone().requires_grad_(), x.clone().requires_grad_()]
+            y, expected = moe(inputs[0]), per_token_moe(reference, inputs[1])
+            (y * w[mine]).sum().backward()
+            (expected * w).sum().backward()
+            router = moe.router.weight.grad.clone()
+            dist.all_reduce(router)
+            pairs = [(y, expected[mine]), (inputs[0].grad, inputs[1].grad[mine])]
+            pairs += [(router, reference.router.weight.grad)] + expert_gradients(moe.experts, reference)
+            found[k, grouped] = largest_relative(pairs), len(pairs)
     return found
 
 
 def test_expert_parallel_equals_the_per_token_reference_with_every_gradient(runs):
     for rank, r in enumerate(runs["checks2"]):
         print(f"rank {rank}: worst per k {r['per_token']}")
+        assert len(r["per_token"]) == 3 * 2, "k = 1, 2, 4, each grouped and as a loop"
         assert all(w <= MOE_TOL and n == 3 + 2 * 4 for w, n in r["per_token"].values()), (rank, r["per_token"])
 
 
