@@ -41,7 +41,7 @@ RUNS = [
     ("pp", "pp_train", ["--n_microbatches", "1"], 1.3),
     ("cp", "cp_train", [], 1.3),
     ("hybrid", "hybrid_train", [], 1.3),
-    # tier 2 (pp_vocab_train.py's head split needs 2 ranks: at world size 1 it runs pp_train.py's path)
+    # tier 2 (pp_vocab_train.py, whose vocabulary pass at one rank is a single slice, is not counted here)
     ("zero3_tuning", "zero3_tuning_train", ["--persistence_threshold", "1024"], 1.3),
     ("tp_overlap", "tp_overlap_train", [], 1.4),  # each matmul cut in pieces, by design: 1.36x measured
     ("pp_zb", "pp_zb_train", ["--schedule", "zb1p", "--n_microbatches", "1"], 1.3),
