@@ -19,6 +19,7 @@ tests/runs.py (its runs one after another in one process group, each equal to th
 import json
 import os
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -63,15 +64,18 @@ def record(directory, words=()):
     os.makedirs(directory, exist_ok=True)
     results = {}
     for nproc, group in runs(words).items():
-        argv, out_dirs = [], {}
-        for k, (name, (script, args)) in enumerate(group.items()):
-            out_dirs[name] = os.path.join(os.path.abspath(directory), "runs", f"{nproc or 1}r-{k}")
-            argv += [script, *args, "--out_dir", out_dirs[name], "---"]
-        print(f"{len(group)} runs at {nproc or 1} rank(s)", flush=True)
-        result = conftest.launch("tests/runs.py", nproc, argv[:-1], timeout=120 + 30 * len(group), torchrun=False)
-        if result.returncode:
-            sys.exit(f"the launch at {nproc or 1} rank(s) failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-        results.update({name: conftest.run_record(out_dir) for name, out_dir in out_dirs.items()})
+        with tempfile.TemporaryDirectory() as scratch:  # each run's checkpoint and metrics: tens of MB, not kept
+            argv, out_dirs = [], {}
+            for k, (name, (script, args)) in enumerate(group.items()):
+                out_dirs[name] = os.path.join(scratch, f"{nproc or 1}r-{k}")
+                argv += [script, *args, "--out_dir", out_dirs[name], "---"]
+            print(f"{len(group)} runs at {nproc or 1} rank(s)", flush=True)
+            result = conftest.launch("tests/runs.py", nproc, argv[:-1], timeout=120 + 30 * len(group),
+                                     torchrun=False)
+            if result.returncode:
+                sys.exit(f"the launch at {nproc or 1} rank(s) failed:\n{result.stdout[-3000:]}\n"
+                         f"{result.stderr[-3000:]}")
+            results.update({name: conftest.run_record(out_dir) for name, out_dir in out_dirs.items()})
     with open(os.path.join(directory, "golden.json"), "w") as f:
         json.dump(results, f, indent=0, sort_keys=True)
     print(f"{len(results)} runs recorded in {directory}/golden.json")
