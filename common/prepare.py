@@ -155,14 +155,16 @@ def count_documents(files):
 
 def in_order(pool, tasks, window):
     """Each task's result, in the tasks' order, with at most `window` tasks queued or done and not
-    yet taken: the memory held is bounded by row groups, whatever the corpus size."""
+    yet taken: the memory held is bounded by row groups, whatever the corpus size. A worker that
+    dies (the OOM killer's SIGKILL) raises BrokenProcessPool here, where a multiprocessing.Pool
+    would wait for its result forever (cpython #96062)."""
     pending = collections.deque()
     for task in tasks:
-        pending.append(pool.apply_async(tokenise, (task,)))
+        pending.append(pool.submit(tokenise, task))
         if len(pending) >= window:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
     while pending:
-        yield pending.popleft().get()
+        yield pending.popleft().result()
 
 
 class Stream:
@@ -218,6 +220,10 @@ class Stream:
     def publish(self):
         """The shard, then the manifest naming it: a kill between the two leaves a published shard
         that no manifest names, which the rerun writes again with the same bytes."""
+        # On disk before its name is: a lost machine, not only a killed process, leaves no
+        # partial shard under the name.
+        self.file.flush()
+        os.fsync(self.file.fileno())
         self.file.close()
         path = os.path.join(self.folder, self.entry["file"])
         data.publish(data.temporary(path), path)
@@ -236,6 +242,8 @@ def write_manifest(folder, manifest):
     path = os.path.join(folder, data.MANIFEST)
     with open(data.temporary(path), "w") as f:
         json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
     data.publish(data.temporary(path), path)
 
 
@@ -319,7 +327,10 @@ def prepare(dataset, folder, source, names, fetch, workers, shard_tokens):
     # (the downloads') and before pyarrow reads anything; spawn would import torch in each.
     children_cpu = cpu_seconds(resource.RUSAGE_CHILDREN)
     main_cpu = cpu_seconds(resource.RUSAGE_SELF)
-    pool = multiprocessing.get_context("fork").Pool(workers, initializer=start_worker)
+    fork = multiprocessing.get_context("fork")
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=fork,
+                                                  initializer=start_worker)
+    pool.submit(int).result()  # with fork, every worker starts now: before the downloads' threads
     downloads = concurrent.futures.ThreadPoolExecutor(DOWNLOADS)
     try:
         files = [downloads.submit(fetch, name) for name in names]
@@ -347,8 +358,8 @@ def prepare(dataset, folder, source, names, fetch, workers, shard_tokens):
         elapsed = time.monotonic() - start
         manifest["documents"] = count_documents(files)
     finally:
-        pool.terminate()
-        pool.join()  # the workers are waited for: their CPU and memory join RUSAGE_CHILDREN's
+        # waits for the workers (their CPU and memory join RUSAGE_CHILDREN's); a dead one: at once
+        pool.shutdown(cancel_futures=True)
         downloads.shutdown(cancel_futures=True)
     cpu = cpu_seconds(resource.RUSAGE_SELF) - main_cpu
     cpu += cpu_seconds(resource.RUSAGE_CHILDREN) - children_cpu

@@ -387,6 +387,35 @@ def test_the_loader_reads_a_window_across_shards(sharded, tmp_path):
             data._tokens.pop((plain, split), None)
 
 
+def _die_in_worker(task):
+    """A tokenise that kills the worker running it (module level: the pool sends it to the worker by name)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_that_dies_ends_the_prepare_at_once_with_one_line(corpus, tmp_path, monkeypatch):
+    """A tokenising worker killed mid-task (as the OOM killer kills it: SIGKILL) ends the prepare within seconds, with
+    one error line and a non-zero exit, where a multiprocessing.Pool waits for the dead worker's result forever. The
+    workers are forks of this process: each runs _die_in_worker as its tokenise."""
+    def too_long(signum, frame):
+        raise TimeoutError("the prepare still waits for its dead worker after 60 s")
+    monkeypatch.setattr(prepare, "tokenise", _die_in_worker)
+    monkeypatch.setattr(prepare, "list_files", lambda source: list(NAMES))
+    monkeypatch.setattr(prepare, "download", lambda source, name: os.path.join(corpus, name))
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(60)
+    started = time.monotonic()
+    try:
+        with pytest.raises(SystemExit) as stop:
+            prepare.main(["fineweb_edu", "--data_dir", str(tmp_path / "out"), "--workers", "2", "--shard_tokens",
+                          str(SHARD)])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - started < 30
+    assert str(stop.value.code).startswith("error: fineweb_edu: preparing failed (BrokenProcessPool: ")
+    assert "\n" not in str(stop.value.code)
+
+
 def test_the_loader_never_imports_the_preparer_and_the_old_spelling_runs_it(monkeypatch):
     """common/data.py imports common.prepare nowhere (no import circle: training never loads the preparer's libraries),
     and `python -m common.data <dataset> [flags]`, the older spelling, runs `python -m common.prepare` with the same
