@@ -12,8 +12,11 @@ The hub's corpora (openwebtext, fineweb, fineweb_edu) are prepared once by `pyth
 <name>` (docs/data.md) into shards named by data/<name>/manifest.json; a split
 is then the concatenation of its shards, each memory-mapped, and get_batch draws from it as from
 one file.
+A folder of llm.c's shards (`--dataset PATH`, e.g. modded-nanogpt's data/fineweb10B/) is read where
+it is, each shard's header checked first: llmc_verdict().
 """
 import filecmp
+import glob
 import hashlib
 import json
 import os
@@ -36,9 +39,20 @@ OFFLINE_TEXT = os.path.join("data", "tinyshakespeare", "input.txt")
 OFFLINE_BPE = "tiktoken_cache"  # the files tiktoken caches, named by the sha1 of their URL
 HUB_DATASETS = ("openwebtext", "fineweb", "fineweb_edu")  # common/prepare.py's SOURCES
 MANIFEST = "manifest.json"  # a sharded dataset's: its shards, written by common/prepare.py
+# llm.c's shard (dev/data/data_common.py's write_datafile, read by llmc/dataloader.h): a header of
+# 256 little-endian int32, of which the first three are the magic, the version and the number of
+# tokens; then that many uint16 GPT-2 token ids, the same layout as our shards.
+LLMC_MAGIC = 20240520  # GPT-2 tokens (llm.c's Llama 3 shards, 20240801, hold uint32 tokens)
+LLMC_VERSION = 1
+LLMC_HEADER_INTS = 256
+LLMC_HEADER_BYTES = 4 * LLMC_HEADER_INTS
 
 
 def data_dir(dataset):
+    """data/<dataset>, or the folder itself when --dataset is a path (it holds a "/"): a folder of
+    llm.c's shards is read where it is. A name never holds one."""
+    if "/" in dataset or os.sep in dataset:
+        return dataset
     return os.path.join(DATA_ROOT, dataset)
 
 
@@ -69,9 +83,14 @@ def prepare(dataset="shakespeare", data_file=None):
 
     Several nodes may prepare one shared folder at once (each node's local rank 0), and one node's
     ranks may already read (memmap) the files another node is about to publish: see publish().
-    A hub corpus, or any folder with a manifest.json, is only checked: sharded_verdict()."""
+    A hub corpus, any folder with a manifest.json, and a folder of llm.c's shards are only
+    checked: sharded_verdict(), llmc_verdict()."""
     out = data_dir(dataset)
-    if dataset in HUB_DATASETS or os.path.exists(os.path.join(out, MANIFEST)):
+    if os.path.exists(os.path.join(out, MANIFEST)):
+        return sharded_verdict(dataset, data_file)
+    if llmc_shards(out, "train") or llmc_shards(out, "val"):
+        return llmc_verdict(dataset, data_file)
+    if dataset in HUB_DATASETS:
         return sharded_verdict(dataset, data_file)
     meta_path = os.path.join(out, "meta.json")
     text_path = data_file or os.path.join(out, "input.txt")
@@ -84,8 +103,8 @@ def prepare(dataset="shakespeare", data_file=None):
         return None
     if not os.path.exists(text_path):
         if dataset != "shakespeare":
-            return (f"--dataset {dataset}: no text at {text_path}; put a text file there "
-                    f"or pass --data_file PATH")
+            return (f"--dataset {dataset}: no text at {text_path}; put a text file there, "
+                    f"pass --data_file PATH, or give the path of a folder of llm.c shards")
         os.makedirs(out, exist_ok=True)
         if os.environ.get(OFFLINE_DIR):
             offline_text = os.path.join(os.environ[OFFLINE_DIR], OFFLINE_TEXT)
@@ -132,6 +151,12 @@ def read_manifest(dataset):
         return json.load(f)
 
 
+def header_bytes(manifest):
+    """Before each shard's tokens: nothing, or (python -m common.prepare --format llmc) llm.c's
+    header."""
+    return LLMC_HEADER_BYTES if manifest.get("format") == "llmc" else 0
+
+
 def sharded_verdict(dataset, data_file):
     """None if data/<dataset>/ holds every shard its manifest names, complete; else the line
     naming the command that prepares them. Training never downloads or tokenises these."""
@@ -144,10 +169,54 @@ def sharded_verdict(dataset, data_file):
     manifest = read_manifest(dataset)
     if not manifest["complete"]:
         return f"--dataset {dataset}: only partly prepared: {prepare_first}"
+    header = header_bytes(manifest)
     for shard in manifest["shards"]:
         path = os.path.join(data_dir(dataset), shard["file"])
-        if not os.path.exists(path) or os.path.getsize(path) != 2 * shard["tokens"]:
+        if not os.path.exists(path) or os.path.getsize(path) != header + 2 * shard["tokens"]:
             return f"--dataset {dataset}: {path} is missing or cut short: {prepare_first}"
+    return None
+
+
+def llmc_shards(folder, split):
+    """The split's llm.c shards in folder, in name order as llm.c's glob and modded-nanogpt's
+    sorted() list them: fineweb_train_000001.bin, ... or a single tiny_shakespeare_train.bin."""
+    return sorted(glob.glob(os.path.join(glob.escape(folder), f"*_{split}*.bin")))
+
+
+def llmc_error(path):
+    """None, or what makes path no llm.c GPT-2 shard: its magic, its version, or a length other
+    than the header and the tokens it counts (llm.c's dataloader.h checks the same three)."""
+    size = os.path.getsize(path)
+    if size < LLMC_HEADER_BYTES:
+        return f"{path}: {size} bytes, shorter than llm.c's {LLMC_HEADER_BYTES}-byte header"
+    header = np.fromfile(path, dtype="<i4", count=LLMC_HEADER_INTS)
+    magic, version, count = (int(value) for value in header[:3])
+    if magic != LLMC_MAGIC:
+        return f"{path}: magic {magic}, not {LLMC_MAGIC} (llm.c's shards of GPT-2 tokens)"
+    if version != LLMC_VERSION:
+        return f"{path}: version {version}, not {LLMC_VERSION} (llm.c's shards of GPT-2 tokens)"
+    expected = LLMC_HEADER_BYTES + 2 * count  # uint16 ids
+    if size != expected:
+        return (f"{path}: {size:,} bytes, but its header counts {count:,} tokens: "
+                f"{expected:,} bytes with the header")
+    return None
+
+
+def llmc_verdict(dataset, data_file):
+    """None if the folder holds llm.c shards of both splits, each with a sound header; else the line
+    naming the first file that is wrong. Every header is read, as llm.c does before training."""
+    if data_file is not None:
+        return (f"--data_file: --dataset {dataset} holds llm.c's shards, read as they are, "
+                f"not tokenised from a text file")
+    folder = data_dir(dataset)
+    for split in ("train", "val"):
+        paths = llmc_shards(folder, split)
+        if not paths:
+            return f"--dataset {dataset}: {folder} holds no llm.c {split} shards (*_{split}*.bin)"
+        for path in paths:
+            error = llmc_error(path)
+            if error is not None:
+                return f"--dataset {dataset}: {error}"
     return None
 
 
@@ -202,8 +271,10 @@ class Shards:
     """A split's shard files read as one array: len() and [start:stop] windows, which may cross a
     shard boundary and are then read from both. Each shard is memory-mapped, never read whole."""
 
-    def __init__(self, paths):
-        self.parts = [np.memmap(path, dtype=np.uint16, mode="r") for path in paths]
+    def __init__(self, paths, header_bytes=0):
+        # header_bytes: what precedes the tokens in each file (ours: none; llm.c's: its header)
+        self.parts = [np.memmap(path, dtype=np.uint16, mode="r", offset=header_bytes)
+                      for path in paths]
         self.starts = np.cumsum([0] + [len(part) for part in self.parts])  # each part's first index
 
     def __len__(self):
@@ -224,13 +295,18 @@ _tokens = {}
 
 
 def tokens(split, dataset="shakespeare"):
-    """The split's token ids: data/<dataset>/<split>.bin memory-mapped, or its shards (Shards)."""
+    """The split's token ids: data/<dataset>/<split>.bin memory-mapped, or its shards (Shards):
+    those its manifest names, or llm.c's (checked by prepare() first), read after their headers."""
     key = (dataset, split)
     if key not in _tokens:
         folder = data_dir(dataset)
         if os.path.exists(os.path.join(folder, MANIFEST)):
-            shards = [s["file"] for s in read_manifest(dataset)["shards"] if s["split"] == split]
-            _tokens[key] = Shards([os.path.join(folder, name) for name in shards])
+            manifest = read_manifest(dataset)
+            shards = [s["file"] for s in manifest["shards"] if s["split"] == split]
+            paths = [os.path.join(folder, name) for name in shards]
+            _tokens[key] = Shards(paths, header_bytes(manifest))
+        elif llmc_shards(folder, split):
+            _tokens[key] = Shards(llmc_shards(folder, split), LLMC_HEADER_BYTES)
         else:
             path = os.path.join(folder, f"{split}.bin")
             _tokens[key] = np.memmap(path, dtype=np.uint16, mode="r")

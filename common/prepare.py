@@ -19,9 +19,11 @@ its own).
 import argparse
 import collections
 import concurrent.futures
+import errno
 import fnmatch
 import functools
 import glob
+import hashlib
 import json
 import math
 import multiprocessing
@@ -41,6 +43,7 @@ try:  # what the hub's corpora need beyond training; main() names the one that i
     import huggingface_hub
     import pyarrow as pa
     import pyarrow.parquet as pq
+    import fcntl  # one prepare a folder: Unix only
     import resource  # peak memory and CPU seconds: Unix only
     missing = None
 except ImportError as error:
@@ -134,23 +137,22 @@ def tokenise(task):
 
 # ---- the main process: tasks in corpus order, shards, manifest ------------------------------
 
-def row_groups(paths, first_doc):
+def row_groups(paths, first_doc, first_file, base, counted, n_files):
     """Tasks (path, row group, index of its first document taken, first row taken) from document
-    first_doc on; `paths` yields each file's local path in order, once it is downloaded."""
-    base = 0  # index of the file's first document
-    for path in paths:
+    first_doc on, each with the share of the n_files that its end reaches; `paths` yields each
+    file's local path in order, once it is downloaded, from file first_file (its first document:
+    base). Each file's documents are added to `counted` once its footer is read."""
+    for k, path in enumerate(paths, start=first_file):
         meta = pq.ParquetFile(path).metadata
+        if k == len(counted):
+            counted.append(meta.num_rows)
         for row_group in range(meta.num_row_groups):
             rows = meta.row_group(row_group).num_rows
             if base + rows > first_doc:
                 first_row = max(0, first_doc - base)
-                yield path, row_group, base + first_row, first_row
+                fraction = (k + (row_group + 1) / meta.num_row_groups) / n_files
+                yield (path, row_group, base + first_row, first_row), fraction
             base += rows
-
-
-def count_documents(files):
-    """The corpus's documents, from the footers of its files (futures of their local paths)."""
-    return sum(pq.ParquetFile(f.result()).metadata.num_rows for f in files)
 
 
 def in_order(pool, tasks, window):
@@ -169,26 +171,59 @@ def in_order(pool, tasks, window):
 
 class Stream:
     """One stream of documents cut into shards of shard_tokens ids: the corpus (FineWeb: its first
-    shard is the val split) or one split (OpenWebText). Each shard is written to its temporary
-    file as the tokens come, then published, then named in the manifest."""
+    shard is the val split) or one split (OpenWebText). Each shard is written to its partial file
+    as the tokens come, then published, then named in the manifest. `llmc`: each shard starts
+    with llm.c's header (common.data.LLMC_*), and is named as llm.c names them."""
 
-    def __init__(self, folder, stream, manifest, shard_tokens):
+    def __init__(self, folder, stream, manifest, shard_tokens, llmc=False):
         self.folder, self.stream, self.manifest = folder, stream, manifest
-        self.shard_tokens = shard_tokens
+        self.shard_tokens, self.llmc = shard_tokens, llmc
         published = [s for s in manifest["shards"] if s["stream"] == stream]
         self.index = len(published)  # of the next shard
         # What the published shards hold: every token before (document, offset), in this stream.
         self.done = published[-1]["end"] if published else [0, 0]
+        self.seen = self.done[0]  # the documents before it were all given to add()
         self.file, self.entry = None, None
+        self.streams = [self]  # all the streams of the corpus (prepare sets it)
+        progress = manifest.get("progress", {}).get(stream)
+        # Its tokens of the documents before `seen` are in the shards or the partial one (a
+        # stream that publishes in add() has not seen all of the batch: its shards' end holds)
+        if progress is not None and self.reopen(progress["partial"]):
+            self.seen = max(self.seen, progress["seen"])
+            self.done = [self.seen, 0] if self.seen > self.done[0] else self.done
 
     def split(self):
         if self.stream == "corpus":
             return "val" if self.index == 0 else "train"
         return self.stream
 
-    def add(self, ids, docs, lengths):
+    def partial(self, name):
+        """The shard's file while it is written: one name a host, the same in every run, so a
+        rerun continues it where the manifest recorded it (OpenWebText's val shard, the size of
+        the whole run)."""
+        return os.path.join(self.folder, f"{name}.partial.{socket.gethostname()}")
+
+    def reopen(self, entry):
+        """Continues the partial shard `entry` of a killed run, cut back to what the manifest
+        recorded; False if its file is gone or short (the stream restarts at its last shard)."""
+        if entry is None:
+            return True
+        path = self.partial(entry["file"])
+        size = self.header_bytes() + 2 * entry["tokens"]
+        if not os.path.exists(path) or os.path.getsize(path) < size:
+            return False
+        self.file = open(path, "r+b")
+        self.file.truncate(size)
+        self.file.seek(size)
+        self.entry = dict(entry)
+        return True
+
+    def header_bytes(self):
+        return 4 * data.LLMC_HEADER_INTS if self.llmc else 0
+
+    def add(self, ids, docs, lengths, through):
         """Appends the tokens `ids` of whole documents `docs` (lengths[k] tokens each, in order),
-        less those the published shards hold already."""
+        less those written already; `through`: the documents before it have all been given."""
         done_doc, done_offset = self.done
         skip = int(lengths[docs < done_doc].sum())
         if done_doc in docs:
@@ -210,32 +245,64 @@ class Stream:
             self.entry["end"] = [doc, offset + 1]  # the token after the last one written
             if self.entry["tokens"] == self.shard_tokens:
                 self.publish()
+        self.seen = max(self.seen, through)
 
     def open(self, start):
-        name = f"{self.split()}_{self.index:06d}.bin"
-        self.entry = dict(file=name, split=self.split(), stream=self.stream, tokens=0,
-                          start=start, end=start)
-        self.file = open(data.temporary(os.path.join(self.folder, name)), "wb")
+        split = self.split()
+        name = f"{split}_{self.index:06d}.bin"
+        if self.llmc:  # llm.c's names: <dataset>_<split>_<index>.bin
+            name = f"{self.manifest['dataset']}_{name}"
+        self.entry = dict(file=name, split=split, stream=self.stream, tokens=0, start=start,
+                          end=start)
+        self.file = open(self.partial(name), "wb")
+        self.file.write(bytes(self.header_bytes()))  # llm.c's header, filled in by publish
+
+    def sync(self):
+        """The partial shard on disk, as far as written: what the manifest may then record."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def progress(self):
+        return dict(seen=self.seen, partial=None if self.file is None else dict(self.entry))
 
     def publish(self):
         """The shard, then the manifest naming it: a kill between the two leaves a published shard
         that no manifest names, which the rerun writes again with the same bytes."""
+        if self.llmc:  # magic, version, tokens, then zeros: llm.c's write_datafile
+            header = np.zeros(data.LLMC_HEADER_INTS, dtype=np.int32)
+            header[:3] = data.LLMC_MAGIC, data.LLMC_VERSION, self.entry["tokens"]
+            self.file.seek(0)
+            header.tofile(self.file)
         # On disk before its name is: a lost machine, not only a killed process, leaves no
         # partial shard under the name.
-        self.file.flush()
-        os.fsync(self.file.fileno())
+        self.sync()
         self.file.close()
         path = os.path.join(self.folder, self.entry["file"])
-        data.publish(data.temporary(path), path)
+        self.entry["sha256"] = sha256(self.partial(self.entry["file"]))
+        data.publish(self.partial(self.entry["file"]), path)
         self.manifest["shards"].append(self.entry)
-        write_manifest(self.folder, self.manifest)
         self.done = self.entry["end"]
         self.index += 1
         self.file, self.entry = None, None
+        # With the shard, where every stream is: a rerun continues each from there
+        for stream in self.streams:
+            if stream.file is not None:
+                stream.sync()
+        self.manifest["progress"] = {stream.stream: stream.progress() for stream in self.streams}
+        write_manifest(self.folder, self.manifest)
 
     def finish(self):  # the last shard, shorter than shard_tokens
         if self.file is not None:
             self.publish()
+
+
+def sha256(path):
+    """The file's SHA-256, read 16 MB at a time (a shard is 200 MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(2**24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_manifest(folder, manifest):
@@ -249,33 +316,47 @@ def write_manifest(folder, manifest):
 
 def read_manifest(folder, fresh):
     """The manifest to resume from: the one in folder, its shards cut at the first one whose file is
-    missing or of another size (the rest are written again), or `fresh` if there is none. None if
-    the folder holds another source's shards."""
+    missing or of another size (the rest, and the streams' progress, are written again), or
+    `fresh` if there is none. A line saying why not if the folder holds another source's shards."""
     path = os.path.join(folder, data.MANIFEST)
     if not os.path.exists(path):
         return fresh
     with open(path) as f:
         manifest = json.load(f)
-    same = ("dataset", "repo", "revision", "files", "shard_tokens")
-    if any(manifest.get(key) != fresh[key] for key in same):
-        return None
+    pinned = manifest.get("commit")  # None: prepared before commits were recorded, or local files
+    if pinned is not None and fresh["commit"] is not None and pinned != fresh["commit"]:
+        return (f"{fresh['repo']}@{fresh['revision']} is commit {fresh['commit']} now, but "
+                f"{folder} holds shards of commit {pinned}: pass --revision {pinned} to finish "
+                f"it, or delete the folder to prepare the new one")
+    same = ("dataset", "repo", "files", "shard_tokens") + (() if pinned else ("revision",))
+    if any(manifest.get(key) != fresh[key] for key in same) or manifest.get("format", "raw") != \
+            fresh["format"]:
+        return (f"{folder} holds shards of another source, --shard_tokens or --format (its "
+                f"{data.MANIFEST}); delete the folder, or pass the flags it was prepared with")
+    header = 4 * data.LLMC_HEADER_INTS if fresh["format"] == "llmc" else 0
     for k, shard in enumerate(manifest["shards"]):
         shard_path = os.path.join(folder, shard["file"])
-        if not os.path.exists(shard_path) or os.path.getsize(shard_path) != 2 * shard["tokens"]:
+        size = header + 2 * shard["tokens"]
+        if not os.path.exists(shard_path) or os.path.getsize(shard_path) != size:
             manifest["shards"] = manifest["shards"][:k]
+            manifest["progress"] = {}
             manifest["complete"] = False
             break
     return manifest
 
 
-def remove_stale_temporaries(folder):
-    """This host's temporary files of processes no longer running (a prepare killed mid-shard)."""
+def remove_stale_temporaries(folder, kept):
+    """This host's temporary files of processes no longer running (a manifest being written), and
+    its partial shards that no stream continues (`kept`: their paths)."""
     host = socket.gethostname()
     for path in glob.glob(os.path.join(folder, f"*.tmp.{host}.*")):
         pid = int(path.rsplit(".", 1)[1])
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
+            os.remove(path)
+    for path in glob.glob(os.path.join(folder, f"*.partial.{host}")):
+        if path not in kept:
             os.remove(path)
 
 
@@ -300,27 +381,40 @@ def peak_rss_mb():
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
-def prepare(dataset, folder, source, names, fetch, workers, shard_tokens):
+def prepare(dataset, folder, source, names, fetch, workers, shard_tokens, commit, fmt):
     """Tokenises the source's files `names` (`fetch(name)`: its local path) into folder/; returns
     None, or one line saying what is wrong."""
-    fresh = dict(dataset=dataset, repo=source.repo, revision=source.revision, files=names,
-                 shard_tokens=shard_tokens, val=source.val, eot="before each document",
-                 shards=[], complete=False)
+    fresh = dict(dataset=dataset, repo=source.repo, revision=source.revision, commit=commit,
+                 files=names, shard_tokens=shard_tokens, format=fmt, val=source.val,
+                 eot="before each document", shards=[], file_documents=[], progress={},
+                 complete=False)
     os.makedirs(folder, exist_ok=True)
+    # A POSIX lock: this process's alone (the forked workers do not inherit it), released when
+    # it ends, however it ends
+    lock = open(os.path.join(folder, "prepare.lock"), "w")
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return f"another python -m common.prepare is writing {folder}: wait for it to end"
     manifest = read_manifest(folder, fresh)
-    if manifest is None:
-        return (f"{folder} holds shards of another source or --shard_tokens (its {data.MANIFEST}); "
-                f"delete the folder, or pass the flags it was prepared with")
+    if isinstance(manifest, str):
+        return manifest
     if manifest["complete"]:
         print(summary(dataset, manifest) + f" (already prepared in {folder})", flush=True)
         return None
-    remove_stale_temporaries(folder)
-    if source.val == "nanogpt_split":
-        streams = [Stream(folder, split, manifest, shard_tokens) for split in ("val", "train")]
-    else:
-        streams = [Stream(folder, "corpus", manifest, shard_tokens)]
+    splits = ("val", "train") if source.val == "nanogpt_split" else ("corpus",)
+    streams = [Stream(folder, split, manifest, shard_tokens, fmt == "llmc") for split in splits]
+    for stream in streams:
+        stream.streams = streams
+    remove_stale_temporaries(folder, [s.file.name for s in streams if s.file is not None])
     first_doc = min(s.done[0] for s in streams)
-    if manifest["shards"]:
+    # The files wholly before first_doc, by the documents each holds (recorded as their footers
+    # are read), are neither downloaded nor read again.
+    counted = manifest["file_documents"]
+    skip, base = 0, 0
+    while skip < len(counted) and base + counted[skip] <= first_doc:
+        base, skip = base + counted[skip], skip + 1
+    if manifest["shards"] or first_doc:
         print(f"{dataset}: resuming after {len(manifest['shards'])} published shards, at "
               f"document {first_doc:,}", flush=True)
     # fork: the workers start as copies of this process, before any thread of this one exists
@@ -333,30 +427,40 @@ def prepare(dataset, folder, source, names, fetch, workers, shard_tokens):
     pool.submit(int).result()  # with fork, every worker starts now: before the downloads' threads
     downloads = concurrent.futures.ThreadPoolExecutor(DOWNLOADS)
     try:
-        files = [downloads.submit(fetch, name) for name in names]
-        paths = (f.result() for f in files)
+        files = [downloads.submit(fetch, name) for name in names[skip:]]
         val = None  # FineWeb: one stream, whose first shard is the val split
-        if source.val == "nanogpt_split":  # the split needs the count: every file downloaded
-            val = val_documents(count_documents(files))
+        if source.val == "nanogpt_split":  # the split needs the count: every file's, once
+            if len(counted) < len(names):
+                counted[:] = [pq.ParquetFile(f.result()).metadata.num_rows for f in files]
+            val = val_documents(sum(counted))
+        fractions = collections.deque()  # of the corpus's files, at each task's end
+        tasks = (fractions.append(fraction) or task for task, fraction in
+                 row_groups((f.result() for f in files), first_doc, skip, base, counted,
+                            len(names)))
         start, last_print, documents, tokens = time.monotonic(), time.monotonic(), 0, 0
-        for first, lengths, ids in in_order(pool, row_groups(paths, first_doc), 2 * workers):
+        first_fraction = None
+        for first, lengths, ids in in_order(pool, tasks, 2 * workers):
             docs = first + np.arange(len(lengths))
+            through = int(docs[-1]) + 1 if len(docs) else first
             if val is None:
-                streams[0].add(ids, docs, lengths)
+                streams[0].add(ids, docs, lengths, through)
             else:
                 in_val = val[docs]
                 for stream, chosen in zip(streams, (in_val, ~in_val)):  # ("val", "train")
-                    stream.add(ids[np.repeat(chosen, lengths)], docs[chosen], lengths[chosen])
+                    stream.add(ids[np.repeat(chosen, lengths)], docs[chosen], lengths[chosen],
+                               through)
             documents, tokens = documents + len(lengths), tokens + len(ids)
+            fraction = fractions.popleft()
+            if first_fraction is None:
+                first_fraction = fraction
             if time.monotonic() - last_print > PROGRESS_S:
                 last_print = time.monotonic()
-                rate = tokens / (last_print - start)
-                print(f"{dataset}: {documents:,} documents, {tokens:,} tokens, {rate:,.0f} "
-                      f"tokens/s, {len(manifest['shards'])} shards published", flush=True)
-        for stream in streams:
+                print(progress(dataset, documents, tokens, last_print - start,
+                               fraction, first_fraction, len(manifest["shards"])), flush=True)
+        for stream in reversed(streams):  # train's last shard, then (OpenWebText) the val split
             stream.finish()
         elapsed = time.monotonic() - start
-        manifest["documents"] = count_documents(files)
+        manifest["documents"] = sum(counted)  # every file's footer has been read by now
     finally:
         # waits for the workers (their CPU and memory join RUSAGE_CHILDREN's); a dead one: at once
         pool.shutdown(cancel_futures=True)
@@ -365,16 +469,28 @@ def prepare(dataset, folder, source, names, fetch, workers, shard_tokens):
     cpu += cpu_seconds(resource.RUSAGE_CHILDREN) - children_cpu
     manifest["tokens"] = {split: sum(s["tokens"] for s in manifest["shards"] if s["split"] == split)
                           for split in ("train", "val")}
+    manifest["progress"] = {}
     manifest["complete"] = True
     write_manifest(folder, manifest)
     main_mb = peak_rss_mb()
     worker_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # Linux: in KiB
-    rate = tokens / elapsed
+    rate = tokens / max(elapsed, 1e-9)
     print(f"{dataset}: tokenised {tokens:,} tokens in {elapsed:.1f} s ({rate:,.0f} tokens/s, "
           f"{workers} workers, {cpu:.1f} CPU-s); peak RSS {main_mb:,.0f} MB, a worker's "
           f"{worker_mb:,.0f} MB", flush=True)
     print(summary(dataset, manifest) + f" -> {folder}", flush=True)
     return None
+
+
+def progress(dataset, documents, tokens, seconds, fraction, first_fraction, shards):
+    """The progress line: what is done since the start, and the estimated time left, from the
+    share of the corpus's files done in this run (row groups: of about equal size)."""
+    line = (f"{dataset}: {100 * fraction:.1f}% of the files, {documents:,} documents, {tokens:,} "
+            f"tokens, {tokens / seconds:,.0f} tokens/s, {shards} shards published")
+    if fraction > first_fraction:
+        left = seconds * (1 - fraction) / (fraction - first_fraction)
+        line += f", about {left / 60:,.0f} min left"
+    return line
 
 
 def parse(argv):
@@ -385,13 +501,68 @@ def parse(argv):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     p.add_argument("--workers", type=int, default=cores, help="tokenising processes")
     p.add_argument("--shard_tokens", type=int, default=SHARD_TOKENS, help="uint16 ids a shard")
-    p.add_argument("--revision", default=None, help="the hub revision (default: the pinned one)")
+    p.add_argument("--revision", default=None,
+                   help="the hub revision: a branch, tag or commit (default: the pinned one); "
+                        "a branch or tag is resolved to its commit once, and recorded")
+    p.add_argument("--format", choices=["raw", "llmc"], default="raw",
+                   help="raw: uint16 ids; llmc: llm.c's .bin shards (a 1,024-byte header first, "
+                        "named <dataset>_<split>_<index>.bin), which llm.c's trainer reads too")
     p.add_argument("--data_dir", default=None, help="where the shards go (default data/<dataset>, "
                                                     "where training reads them)")
     p.add_argument("--parquet_dir", default=None,
                    help="read the parquet files from this folder (laid out as in the repository) "
                         "instead of the hub")
+    p.add_argument("--verify", action="store_true",
+                   help="check each shard against the manifest's SHA-256 and print the manifest's "
+                        "own: two folders with the same one hold the same shards")
     return p.parse_args(argv)
+
+
+def resolve(source):
+    """The commit of the source's revision: the revision itself if it is one (no request), else
+    the hub's answer, asked once: the files are then listed and downloaded at that commit."""
+    if is_commit(source.revision):
+        return source.revision
+    info = huggingface_hub.HfApi().dataset_info(source.repo, revision=source.revision)
+    return info.sha
+
+
+def is_commit(revision):
+    return len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)
+
+
+def verify(folder):
+    """None and a line with the manifest's digest, or one line naming what does not match."""
+    path = os.path.join(folder, data.MANIFEST)
+    if not os.path.exists(path):
+        return f"{folder} has no {data.MANIFEST}: not prepared", None
+    with open(path) as f:
+        manifest = json.load(f)
+    if not manifest["complete"]:
+        return f"{folder} is only partly prepared: run the prepare again to finish it", None
+    for shard in manifest["shards"]:
+        shard_path = os.path.join(folder, shard["file"])
+        if not os.path.exists(shard_path) or sha256(shard_path) != shard.get("sha256"):
+            return f"{shard_path} is missing, or differs from its manifest's SHA-256", None
+    return None, (f"{len(manifest['shards'])} shards match {path}, whose SHA-256 is "
+                  f"{sha256(path)}")
+
+
+def failure(e):
+    """One line for an exception of the preparing: what went wrong, and whether a rerun, which
+    resumes, can fix it."""
+    if isinstance(e, concurrent.futures.process.BrokenProcessPool):
+        return ("a tokenising worker died (killed: out of memory?); run again, with fewer "
+                "--workers if memory ran out, to resume")
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return f"the disk is full ({e}); free some (docs/data.md: Disk) and run again to resume"
+    if isinstance(e, OSError):  # the hub's errors (a connection, a download) are OSErrors too
+        return f"{type(e).__name__}: {e}; run again to resume, once the cause is fixed"
+    if isinstance(e, pa.ArrowException):
+        return (f"a parquet file cannot be read ({type(e).__name__}: {e}); delete it from "
+                f"huggingface_hub's cache (hf cache rm, or huggingface-cli delete-cache), then "
+                f"run again to resume")
+    return f"preparing failed ({type(e).__name__}: {e}); running again will not fix this"
 
 
 def main(argv):
@@ -407,13 +578,21 @@ def main(argv):
                  "pip install -r requirements-data.txt (pyarrow, huggingface_hub)")
     if missing is not None:
         sys.exit(f"error: python -m common.prepare {args.dataset} needs Python's {missing} "
-                 "module, which this platform lacks (it runs on Linux and macOS)")
+                 "module, which Windows lacks: it runs on Linux and macOS (on Windows: in WSL)")
+    folder = args.data_dir or data.data_dir(args.dataset)
+    if args.verify:
+        error, line = verify(folder)
+        if error is not None:
+            sys.exit(f"error: {args.dataset}: {error}")
+        print(f"{args.dataset}: {line}", flush=True)
+        return 0
     for flag in ("workers", "shard_tokens"):
         if getattr(args, flag) < 1:
             sys.exit(f"error: --{flag}: must be >= 1, got {getattr(args, flag)}")
     source = SOURCES[args.dataset]
     if args.revision is not None:
         source = Source(source.repo, args.revision, source.patterns, source.val)
+    commit = source.revision if is_commit(source.revision) else None  # local files: as named
     error = data.use_offline_dir()
     if error is None:
         try:
@@ -423,8 +602,10 @@ def main(argv):
     if error is None:
         try:
             if args.parquet_dir is None:
-                names = list_files(source)
-                fetch = functools.partial(download, source)
+                commit = resolve(source)
+                pinned = Source(source.repo, commit, source.patterns, source.val)
+                names = list_files(pinned)
+                fetch = functools.partial(download, pinned)
             else:
                 names = sorted(os.path.relpath(p, args.parquet_dir) for pattern in source.patterns
                                for p in glob.glob(os.path.join(args.parquet_dir, pattern)))
@@ -434,12 +615,11 @@ def main(argv):
     if error is None and not names:
         error = f"no file of {source.repo}@{source.revision} matches {', '.join(source.patterns)}"
     if error is None:
-        folder = args.data_dir or data.data_dir(args.dataset)
         try:
             error = prepare(args.dataset, folder, source, names, fetch, args.workers,
-                            args.shard_tokens)
-        except Exception as e:  # a download or a file that fails: one line; a rerun resumes
-            error = f"preparing failed ({type(e).__name__}: {e}); run the command again to resume"
+                            args.shard_tokens, commit, args.format)
+        except Exception as e:
+            error = failure(e)
     if error is not None:
         sys.exit(f"error: {args.dataset}: {error}")
     return 0

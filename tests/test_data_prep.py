@@ -7,6 +7,7 @@ recomputed here with tiktoken: <|endoftext|> before each document, a literal "<|
 a null text an empty document.
 """
 import ast
+import hashlib
 import json
 import math
 import os
@@ -61,27 +62,42 @@ def documents():
     return [[encoding.eot_token] + (encoding.encode_ordinary(text) if text is not None else []) for text in TEXTS]
 
 
-def run_prepare(corpus, out, workers, dataset="fineweb_edu", revision=None):
-    """prepare.main on the corpus, with the hub's listing and download answered from the corpus folder; both asked
-    for the pinned revision, or for `revision` (--revision)."""
-    asked, listed = [], []
+def fake_commit(revision):
+    """The commit the fake hub resolves a branch or tag to (a commit resolves to itself)."""
+    return revision if prepare.is_commit(revision) else hashlib.sha1(revision.encode()).hexdigest()
+
+
+def fake_hub(patch, corpus, asked=None, listed=None, resolved=None):
+    """The hub's three calls answered from the corpus folder, recording what was asked."""
+    def resolve(source):
+        (resolved if resolved is not None else []).append(source.revision)
+        return fake_commit(source.revision)
 
     def list_files(source):
-        listed.append((source.repo, source.revision))
+        (listed if listed is not None else []).append((source.repo, source.revision))
         return list(NAMES)
 
     def download(source, name):
-        asked.append((source.repo, source.revision, name))
+        (asked if asked is not None else []).append((source.repo, source.revision, name))
         return os.path.join(corpus, name)
+    patch.setattr(prepare, "resolve", resolve)
+    patch.setattr(prepare, "list_files", list_files)
+    patch.setattr(prepare, "download", download)
+
+
+def run_prepare(corpus, out, workers, dataset="fineweb_edu", revision=None, flags=()):
+    """prepare.main on the corpus, with the hub answered from the corpus folder; the revision (the pinned one, or
+    --revision) resolved once, and its commit listed and downloaded."""
+    asked, listed, resolved = [], [], []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(prepare, "list_files", list_files)
-        patch.setattr(prepare, "download", download)
+        fake_hub(patch, corpus, asked, listed, resolved)
         code = prepare.main([dataset, "--data_dir", str(out), "--workers", str(workers), "--shard_tokens",
-                             str(SHARD)] + (["--revision", revision] if revision else []))
+                             str(SHARD)] + (["--revision", revision] if revision else []) + list(flags))
     source = prepare.SOURCES[dataset]
     revision = revision or source.revision
-    assert code == 0 and listed == [(source.repo, revision)]
-    assert sorted(asked) == [(source.repo, revision, name) for name in NAMES]
+    commit = fake_commit(revision)
+    assert code == 0 and resolved == [revision] and listed == [(source.repo, commit)]
+    assert set(asked) <= {(source.repo, commit, name) for name in NAMES}
 
 
 def folder_bytes(folder):
@@ -213,10 +229,15 @@ def test_openwebtext_val_is_nanogpts_split(corpus, tmp_path):
         assert split_ids(str(tmp_path), split).tolist() == expected[split]
 
 
-# Where the prepare is killed (SIGKILL): in the download of the second file, once a shard is named; mid-shard, after a
-# task's tokens went to the temporary file of the third shard or a later one; after the third shard is published but
-# before the manifest names it; after the manifest names it; and before the last manifest, the one saying complete.
-KILL_POINTS = ["mid_download", "mid_shard", "shard_before_manifest", "after_manifest", "before_complete"]
+# Where the prepare is killed (SIGKILL): in the download of the second file (FineWeb-Edu: once a shard is named;
+# OpenWebText downloads every file before it tokenises); mid-shard, after a task's tokens went to the partial file of
+# the third shard or a later one; after the third shard is published but before the manifest names it; after the
+# manifest names it; before the last manifest, the one saying complete; and (OpenWebText, whose val split is written
+# beside the train one, the size of the whole run) after every train shard, before the val shard is published.
+KILL_POINTS = [(dataset, point) for dataset in ("fineweb_edu", "openwebtext")
+               for point in ("mid_download", "mid_shard", "shard_before_manifest", "after_manifest", "before_complete")]
+KILL_POINTS += [("openwebtext", "before_val"), ("openwebtext", "val_grown")]
+OWT_VAL = 0.1  # the val share of the killed OpenWebText runs: 5 documents, 4 shards, written among train's
 
 
 def die():
@@ -228,11 +249,28 @@ def kill_at(point):
     if point == "mid_shard":
         add = prepare.Stream.add
 
-        def add_then_die(self, ids, docs, lengths):
-            add(self, ids, docs, lengths)
+        def add_then_die(self, *args):
+            add(self, *args)
             if self.index >= 2 and self.entry is not None and self.entry["tokens"] > 0:
                 die()
         prepare.Stream.add = add_then_die
+    elif point == "val_grown":  # the val split's partial shard longer than the manifest records
+        add = prepare.Stream.add
+
+        def add_then_die(self, *args):
+            add(self, *args)
+            recorded = self.manifest["progress"].get("val", {}).get("partial")
+            if self.stream == "val" and recorded and self.entry and self.entry["tokens"] > recorded["tokens"]:
+                die()
+        prepare.Stream.add = add_then_die
+    elif point == "before_val":
+        finish = prepare.Stream.finish
+
+        def die_before_val(self):
+            if self.stream == "val":
+                die()
+            finish(self)
+        prepare.Stream.finish = die_before_val
     elif point != "mid_download":
         write = prepare.write_manifest
 
@@ -247,7 +285,7 @@ def kill_at(point):
         prepare.write_manifest = write_or_die
 
 
-def killed_prepare(corpus, out, point):
+def killed_prepare(corpus, out, dataset, point):
     """The wait status of prepare.main run in a forked child (this process's modules: no import to wait for) that
     kills itself at `point`; its pool's workers, in its session, are killed after it."""
     pid = os.fork()
@@ -257,16 +295,18 @@ def killed_prepare(corpus, out, point):
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
             signal.alarm(60)  # a point never reached ends the child by SIGALRM, not SIGKILL
 
-            def download(source, name):  # mid_download: the second file's, once the manifest names a shard
+            def download(source, name):  # mid_download: the second file's (FineWeb-Edu: once a shard is named)
                 while point == "mid_download" and name == NAMES[1]:
-                    if (out / data.MANIFEST).exists():
+                    if dataset == "openwebtext" or (out / data.MANIFEST).exists():
                         die()
                     time.sleep(0.005)
                 return os.path.join(corpus, name)
+            prepare.NANOGPT_TEST_SIZE = OWT_VAL
+            prepare.resolve = lambda source: fake_commit(source.revision)
             prepare.list_files = lambda source: list(NAMES)
             prepare.download = download
             kill_at(point)
-            prepare.main(["fineweb_edu", "--data_dir", str(out), "--workers", "2", "--shard_tokens", str(SHARD)])
+            prepare.main([dataset, "--data_dir", str(out), "--workers", "2", "--shard_tokens", str(SHARD)])
         except BaseException:
             traceback.print_exc()
         finally:
@@ -280,34 +320,96 @@ def killed_prepare(corpus, out, point):
             pass
 
 
-@pytest.mark.parametrize("point", KILL_POINTS)
-def test_a_prepare_killed_at_any_point_resumes_to_the_same_bytes(sharded, corpus, tmp_path, capfd, point):
+@pytest.fixture(scope="module")
+def owt(corpus, tmp_path_factory):
+    """The corpus prepared, never killed, as openwebtext: its bytes."""
+    folder = tmp_path_factory.mktemp("owt")
+    with pytest.MonkeyPatch.context() as patch:
+        go_offline(patch)
+        patch.setattr(prepare, "NANOGPT_TEST_SIZE", OWT_VAL)
+        run_prepare(corpus, folder, workers=2, dataset="openwebtext")
+    manifest = json.loads(pathlib.Path(folder, data.MANIFEST).read_text())
+    assert len([s for s in manifest["shards"] if s["split"] == "val"]) >= 2
+    return folder_bytes(folder)
+
+
+@pytest.mark.parametrize("dataset,point", KILL_POINTS)
+def test_a_prepare_killed_at_any_point_resumes_to_the_same_bytes(sharded, owt, corpus, tmp_path, capfd, dataset,
+                                                                 point):
+    """The rerun ends with the bytes of a run never killed, and tokenises again only the documents from where the
+    last published shard ends (the document it ends in included): the val split's partial shard of OpenWebText is
+    continued from where the manifest recorded it."""
     out = tmp_path / "out"
-    status = killed_prepare(corpus, out, point)
+    status = killed_prepare(corpus, out, dataset, point)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (status, capfd.readouterr().err[-2000:])
-    manifest = json.loads((out / data.MANIFEST).read_text())
-    named = {shard["file"] for shard in manifest["shards"]}
-    assert not manifest["complete"] and named
-    temporaries = [name for name in os.listdir(out) if ".tmp." in name]
+    final = folder_bytes(data.data_dir(sharded)) if dataset == "fineweb_edu" else owt
+    partials = [name for name in os.listdir(out) if ".partial." in name]
     shards = {name for name in os.listdir(out) if name.endswith(".bin")}
-    final = folder_bytes(data.data_dir(sharded))
+    all_shards = {name for name in final if name.endswith(".bin")}
+    if point == "mid_download" and dataset == "openwebtext":  # before any shard: nothing to keep
+        assert not (out / data.MANIFEST).exists() and not shards
+        named, restart = set(), 0
+    else:
+        manifest = json.loads((out / data.MANIFEST).read_text())
+        named = {shard["file"] for shard in manifest["shards"]}
+        assert not manifest["complete"] and named
+        restart = max(shard["end"][0] for shard in manifest["shards"])
     for name in shards:  # each shard on disk, named or not, is complete and final
         assert (out / name).read_bytes() == final[name], name
     if point == "mid_download":  # any moment of the main thread: a shard may be published and not yet named
-        assert len(temporaries) <= 1 and shards >= named and len(shards) <= len(named) + 1
+        assert len(partials) <= 1 + (dataset == "openwebtext") and shards >= named
+        assert len(shards) <= len(named) + 1
     elif point == "mid_shard":
         assert len(named) >= 2 and shards == named
-        assert len(temporaries) == 1 and os.path.getsize(out / temporaries[0]) > 0  # the shard it was writing
+        assert any(os.path.getsize(out / name) > 0 for name in partials)  # the shard it was writing
     elif point == "shard_before_manifest":
-        assert temporaries == [] and len(named) == 2 and shards == named | {"train_000002.bin"}
+        assert len(named) == 2 and shards == named | {"train_000002.bin"}
     elif point == "after_manifest":
-        assert temporaries == [] and len(named) == 3 and shards == named
-    else:  # before_complete: every shard named
-        assert temporaries == [] and shards == named and len(named) == len(final) - 1
+        assert len(named) == 3 and shards == named
+    elif point == "before_complete":  # every shard named
+        assert partials == [] and shards == named == all_shards
+    elif point == "before_val":  # every train shard named, the val split's last shard in its partial file
+        last = max(name for name in all_shards if name.startswith("val_"))
+        assert shards == named == all_shards - {last} and partials == [f"{last}.partial.{socket.gethostname()}"]
+    elif point == "val_grown":
+        assert len(partials) == 2  # the train and val shards being written, the val one longer than recorded
     capfd.readouterr()
-    run_prepare(corpus, out, workers=2)
-    assert f"resuming after {len(named)} published shards" in capfd.readouterr().out
-    assert folder_bytes(out) == final  # the temporary file of the killed run removed, too
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prepare, "NANOGPT_TEST_SIZE", OWT_VAL)
+        run_prepare(corpus, out, workers=2, dataset=dataset)
+    printed = capfd.readouterr().out
+    if named:
+        assert f"resuming after {len(named)} published shards, at document " in printed
+        at = int(printed.split(", at document ")[1].split("\n")[0].replace(",", ""))
+        assert at >= restart  # no further back than the end of the last published shard
+        restart = at
+    redone = int(printed.split(" tokenised ")[1].split(" tokens")[0].replace(",", ""))
+    assert redone == sum(len(doc) for doc in documents()[restart:])  # the documents from there on, only
+    assert folder_bytes(out) == final  # the partial file of the killed run removed, too
+
+
+def test_a_branch_that_moved_stops_the_rerun_with_one_line(corpus, tmp_path):
+    """A branch or tag is resolved to its commit once and recorded; a rerun (or another node) that finds the branch
+    at another commit stops with one line, and goes on with --revision set to the recorded commit."""
+    out = tmp_path / "moved"
+    status = killed_prepare(corpus, out, "openwebtext", "after_manifest")
+    assert os.WIFSIGNALED(status)
+    manifest = json.loads((out / data.MANIFEST).read_text())
+    branch = prepare.SOURCES["openwebtext"].revision
+    assert manifest["revision"] == branch and manifest["commit"] == fake_commit(branch)
+    before = folder_bytes(out)
+    moved = "f" * 40
+    with pytest.MonkeyPatch.context() as patch:
+        fake_hub(patch, corpus)
+        patch.setattr(prepare, "resolve", lambda source: moved)
+        with pytest.raises(SystemExit) as stop:
+            prepare.main(["openwebtext", "--data_dir", str(out), "--workers", "1", "--shard_tokens", str(SHARD)])
+    assert stop.value.code == (f"error: openwebtext: Skylion007/openwebtext@{branch} is commit {moved} now, but "
+                               f"{out} holds shards of commit {manifest['commit']}: pass --revision "
+                               f"{manifest['commit']} to finish it, or delete the folder to prepare the new one")
+    assert folder_bytes(out) == before
+    run_prepare(corpus, out, workers=1, dataset="openwebtext", revision=manifest["commit"])
+    assert json.loads((out / data.MANIFEST).read_text())["complete"]
 
 
 def test_a_prepare_refuses_to_mix_sources_and_reads_revision(sharded, corpus, tmp_path):
@@ -321,20 +423,120 @@ def test_a_prepare_refuses_to_mix_sources_and_reads_revision(sharded, corpus, tm
     assert manifest["revision"] == "other-revision" and manifest["complete"]
     assert prepared == {name: b for name, b in final.items() if name != data.MANIFEST}  # the same tokens
     prepared = folder_bytes(out)
-    refusal = (f"error: {{}}: {out} holds shards of another source or --shard_tokens (its {data.MANIFEST}); "
-               f"delete the folder, or pass the flags it was prepared with")
-    for dataset, flags, names in [("fineweb_edu", [], NAMES),  # the pinned revision
-                                  ("fineweb_edu", ["--revision", "other-revision", "--shard_tokens", "32"], NAMES),
-                                  ("fineweb_edu", ["--revision", "other-revision"], NAMES[:1]),  # other files
-                                  ("fineweb", ["--revision", "other-revision"], NAMES)]:  # another repository
+    refusal = (f"error: {{}}: {out} holds shards of another source, --shard_tokens or --format (its "
+               f"{data.MANIFEST}); delete the folder, or pass the flags it was prepared with")
+    pinned, recorded = prepare.SOURCES["fineweb_edu"].revision, fake_commit("other-revision")
+    moved = (f"error: fineweb_edu: HuggingFaceFW/fineweb-edu@{pinned} is commit {pinned} now, but {out} holds "
+             f"shards of commit {recorded}: pass --revision {recorded} to finish it, or delete the folder to "
+             f"prepare the new one")
+    for dataset, flags, names, line in [
+            ("fineweb_edu", [], NAMES, moved),  # the pinned revision: another commit
+            ("fineweb_edu", ["--revision", "other-revision", "--shard_tokens", "32"], NAMES, refusal),
+            ("fineweb_edu", ["--revision", "other-revision", "--format", "llmc"], NAMES, refusal),
+            ("fineweb_edu", ["--revision", "other-revision"], NAMES[:1], refusal),  # other files
+            ("fineweb", ["--revision", "other-revision"], NAMES, refusal)]:  # another repository
         with pytest.MonkeyPatch.context() as patch:
+            fake_hub(patch, corpus)
             patch.setattr(prepare, "list_files", lambda source: list(names))
-            patch.setattr(prepare, "download", lambda source, name: os.path.join(corpus, name))
             with pytest.raises(SystemExit) as stop:
                 prepare.main([dataset, "--data_dir", str(out), "--workers", "1", "--shard_tokens", str(SHARD)]
                              + flags)
-        assert stop.value.code == refusal.format(dataset), flags
+        assert stop.value.code == line.format(dataset), flags
         assert folder_bytes(out) == prepared
+
+
+def test_llmc_format_shards_hold_the_same_tokens_behind_llmcs_header(sharded, corpus, tmp_path):
+    """--format llmc: each shard is llm.c's write_datafile output (256 int32: magic 20240520, version 1, the token
+    count, zeros; then the uint16 tokens), named <dataset>_<split>_<index>.bin, with the raw shards' tokens; the
+    manifest records the format, and --verify checks every shard's SHA-256."""
+    run_prepare(corpus, tmp_path / "llmc", workers=2, flags=["--format", "llmc"])
+    raw = folder_bytes(data.data_dir(sharded))
+    written = folder_bytes(tmp_path / "llmc")
+    manifest = json.loads(written[data.MANIFEST])
+    assert manifest["format"] == "llmc"
+    shards = sorted(name for name in raw if name.endswith(".bin"))
+    assert sorted(name for name in written if name.endswith(".bin")) == [f"fineweb_edu_{name}" for name in shards]
+    for name in shards:
+        header = np.frombuffer(written[f"fineweb_edu_{name}"][:1024], dtype="<i4")
+        tokens = len(raw[name]) // 2
+        assert header[:3].tolist() == [20240520, 1, tokens] and not header[3:].any()
+        assert written[f"fineweb_edu_{name}"][1024:] == raw[name]
+    folder = str(tmp_path / "llmc")  # a path: --dataset reads it where it is
+    assert data.prepare(folder) is None
+    for split in ("train", "val"):  # what training reads: the same tokens as from the raw shards
+        assert np.array_equal(data.tokens(split, folder)[0:len(data.tokens(split, sharded))],
+                              data.tokens(split, sharded)[0:len(data.tokens(split, sharded))])
+        assert len(data.tokens(split, folder)) == len(data.tokens(split, sharded))
+        data._tokens.pop((folder, split), None)
+    assert prepare.main(["fineweb_edu", "--data_dir", str(tmp_path / "llmc"), "--verify"]) == 0
+    with open(tmp_path / "llmc" / f"fineweb_edu_{shards[3]}", "r+b") as f:
+        f.seek(1030)
+        f.write(b"\x00")  # one byte of a token changed
+    with pytest.raises(SystemExit) as stop:
+        prepare.main(["fineweb_edu", "--data_dir", str(tmp_path / "llmc"), "--verify"])
+    assert stop.value.code == (f"error: fineweb_edu: {tmp_path / 'llmc' / f'fineweb_edu_{shards[3]}'} is missing, "
+                               f"or differs from its manifest's SHA-256")
+
+
+def test_verify_prints_the_manifests_digest(sharded, capfd):
+    """Two folders hold the same shards when --verify passes on both and prints the same digest: the manifest's,
+    which names every shard's SHA-256."""
+    folder = data.data_dir(sharded)
+    manifest = json.loads(pathlib.Path(folder, data.MANIFEST).read_text())
+    for shard in manifest["shards"]:
+        assert shard["sha256"] == hashlib.sha256(pathlib.Path(folder, shard["file"]).read_bytes()).hexdigest()
+    capfd.readouterr()
+    assert prepare.main(["fineweb_edu", "--data_dir", folder, "--verify"]) == 0
+    digest = hashlib.sha256(pathlib.Path(folder, data.MANIFEST).read_bytes()).hexdigest()
+    assert capfd.readouterr().out == (f"fineweb_edu: {len(manifest['shards'])} shards match "
+                                      f"{os.path.join(folder, data.MANIFEST)}, whose SHA-256 is {digest}\n")
+
+
+def test_progress_lines_give_the_share_done_and_the_time_left(corpus, tmp_path, capfd, monkeypatch):
+    monkeypatch.setattr(prepare, "PROGRESS_S", -1.0)  # a line after every task
+    run_prepare(corpus, tmp_path / "progress", workers=1)
+    lines = [line for line in capfd.readouterr().out.splitlines() if "% of the files" in line]
+    shares = [float(line.split(": ")[1].split("%")[0]) for line in lines]
+    # 2 files of 20 and 21 documents, row groups of 4: the share at each task's end, by file then row group
+    expected = [100 * (k + (g + 1) / groups) / 2 for k, groups in enumerate((5, 6)) for g in range(groups)]
+    assert shares == pytest.approx([round(e, 1) for e in expected], abs=0.051)
+    assert all(", about " in line and line.endswith(" min left") for line in lines[1:])
+
+
+def test_each_failure_says_whether_a_rerun_fixes_it(tmp_path):
+    import concurrent.futures.process
+    assert prepare.failure(concurrent.futures.process.BrokenProcessPool("x")).endswith(
+        "run again, with fewer --workers if memory ran out, to resume")
+    full = OSError(28, "No space left on device")
+    assert prepare.failure(full) == ("the disk is full ([Errno 28] No space left on device); free some "
+                                     "(docs/data.md: Disk) and run again to resume")
+    assert prepare.failure(ConnectionError("reset")).endswith("run again to resume, once the cause is fixed")
+    assert "delete it from huggingface_hub's cache" in prepare.failure(pa.ArrowInvalid("bad footer"))
+    assert prepare.failure(KeyError("text")).endswith("running again will not fix this")
+
+
+def test_a_second_prepare_of_the_same_folder_stops_with_one_line(corpus, tmp_path):
+    import fcntl
+    os.makedirs(tmp_path / "locked")
+    pid = os.fork()
+    if pid == 0:  # another process holds the folder's lock
+        with open(tmp_path / "locked" / "prepare.lock", "w") as lock:
+            fcntl.lockf(lock, fcntl.LOCK_EX)
+            (tmp_path / "held").touch()
+            time.sleep(30)
+        os._exit(0)
+    try:
+        while not (tmp_path / "held").exists():
+            time.sleep(0.01)
+        with pytest.MonkeyPatch.context() as patch:
+            fake_hub(patch, corpus)
+            with pytest.raises(SystemExit) as stop:
+                prepare.main(["fineweb_edu", "--data_dir", str(tmp_path / "locked"), "--workers", "1"])
+        assert stop.value.code == (f"error: fineweb_edu: another python -m common.prepare is writing "
+                                   f"{tmp_path / 'locked'}: wait for it to end")
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def test_a_missing_or_short_shard_is_written_again(sharded, corpus, tmp_path, capfd):
@@ -399,8 +601,7 @@ def test_a_worker_that_dies_ends_the_prepare_at_once_with_one_line(corpus, tmp_p
     def too_long(signum, frame):
         raise TimeoutError("the prepare still waits for its dead worker after 60 s")
     monkeypatch.setattr(prepare, "tokenise", _die_in_worker)
-    monkeypatch.setattr(prepare, "list_files", lambda source: list(NAMES))
-    monkeypatch.setattr(prepare, "download", lambda source, name: os.path.join(corpus, name))
+    fake_hub(monkeypatch, corpus)
     previous = signal.signal(signal.SIGALRM, too_long)
     signal.alarm(60)
     started = time.monotonic()
@@ -412,7 +613,8 @@ def test_a_worker_that_dies_ends_the_prepare_at_once_with_one_line(corpus, tmp_p
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert time.monotonic() - started < 30
-    assert str(stop.value.code).startswith("error: fineweb_edu: preparing failed (BrokenProcessPool: ")
+    assert str(stop.value.code) == ("error: fineweb_edu: a tokenising worker died (killed: out of memory?); run "
+                                    "again, with fewer --workers if memory ran out, to resume")
     assert "\n" not in str(stop.value.code)
 
 
@@ -447,7 +649,7 @@ def test_a_missing_library_is_one_line_and_training_needs_neither(sharded, monke
     with pytest.raises(SystemExit) as stop:
         runpy.run_module("common.prepare", run_name="__main__")
     assert stop.value.code == ("error: python -m common.prepare fineweb_edu needs Python's resource module, which "
-                               "this platform lacks (it runs on Linux and macOS)")
+                               "Windows lacks: it runs on Linux and macOS (on Windows: in WSL)")
     assert data.prepare(sharded) is None and data.check_block_size(32, sharded) is None
     data._tokens.pop((sharded, "train"), None)  # read again, without either library
     assert data.get_batch("train", 0, 8, 32, 1337, sharded)[0].shape == (8, 32)
