@@ -6,7 +6,8 @@ The full format, `<out_dir>/ckpt.pt` (like nanoGPT's), is one dict gathered on r
   step:       optimizer steps taken = the next step to run; the lr schedule position is get_lr(step)
   rng:        [{"cpu", "cuda"} RNG states of rank r, for r in range(world_size)] (dropout; the data
               is a function of the step)
-  config:     GPTConfig fields (a mixture of experts: n_experts, top_k, expert_hidden too)
+  config:     GPTConfig fields (a mixture of experts: n_experts, top_k, expert_hidden too; gelu
+              tanh for a model started from OpenAI's GPT-2: --init_from)
   args:       the run's flags
   save:       this save's id (time.time_ns()): on resume, each rank checks it read rank 0's file
   format:     "nanodist-full-v1"
@@ -67,7 +68,11 @@ def save_checkpoint(model_state, optimizer_state, step, config, args):
 
 def checkpoint(step, model, optimizer, config, args):
     """Collective: model.full_state(optimizer) gathers the full format in the strategy's own way
-    (model state, AdamW state by name, complete on rank 0), and rank 0 writes it."""
+    (model state, AdamW state by name, complete on rank 0), and rank 0 writes it. At step 0 (the
+    end of --max_iters 0, which only evaluates) nothing was trained: nothing is written, and the
+    out_dir's ckpt.pt, if any, stays as it was."""
+    if step == 0:
+        return
     model_state, optimizer_state = model.full_state(optimizer)
     save_checkpoint(model_state, optimizer_state, step, config, args)
 
@@ -93,10 +98,14 @@ def config_mismatch(saved, args):
     return None
 
 
-def read(path, flag="--resume"):
-    """(checkpoint, None), or (None, the one-line reason it cannot be used)."""
+def read(path, flag="--resume", args=None):
+    """(checkpoint, None), or (None, the one-line reason it cannot be used). flag --init_from: the
+    GPT-2 weights at path as a step-0 checkpoint of the model args size (common/pretrained.py)."""
     if not os.path.exists(path):
         return None, f"{flag}: no checkpoint at {path}"
+    if flag == "--init_from":
+        from common import pretrained  # only with --init_from: a run without it never imports it
+        return pretrained.checkpoint(path, gpt_config(args))
     ckpt, e = load(path)
     if e is not None:
         first_line = str(e).splitlines()[0][:200]
@@ -111,7 +120,8 @@ def resume(args):
     """Collective: every rank calls it after setup(). Returns the checkpoint to continue from, or
     None for a fresh start. It resumes when --resume or --resume_from is given, or when torchrun
     restarted the job after a failure (TORCHELASTIC_RESTART_COUNT > 0 on any rank; then
-    out_dir/ckpt.pt, the job's own latest, if there is one yet).
+    out_dir/ckpt.pt, the job's own latest, if there is one yet). Otherwise --init_from's weights
+    are a checkpoint at step 0 with no optimizer state: a fresh start from them.
 
     Decided once: rank 0 chooses the file and checks it, and broadcasts its choice (path, step and
     save id). Every other rank then reads that path and must find the same checkpoint; their
@@ -132,7 +142,7 @@ def resume(args):
     if "error" in choice:
         die(choice["error"])
     if rank != 0:
-        ckpt, error = read_chosen(choice, rank)
+        ckpt, error = read_chosen(choice, rank, args)
     die_on_any(error)
     rng = ckpt.get("rng")
     if rng is not None and len(rng) == world_size:
@@ -140,9 +150,11 @@ def resume(args):
         torch.set_rng_state(state["cpu"])
         if state["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
-    else:  # another world size: a fresh dropout stream per rank and step
+    else:  # another world size, or --init_from's weights: a fresh dropout stream per rank and step
         torch.manual_seed(args.seed + rank + 1_000_003 * ckpt["step"])
-    if rank == 0:
+    if rank == 0 and choice["flag"] == "--init_from":
+        print(f"starting from {args.init_from}'s weights, {choice['path']}", flush=True)
+    elif rank == 0:
         script = ckpt.get("script", "?")
         print(f"resuming from {choice['path']} at step {ckpt['step']} (written by {script})",
               flush=True)
@@ -153,7 +165,7 @@ def choose(args, restarted):
     """Rank 0's choice and the checkpoint it read: (None, None) for a fresh start, ({"error": line},
     None), or ({"path", "flag", "step", "save", "bytes"}, the checkpoint every rank resumes from).
     After a restart the job's own latest checkpoint wins, even over --resume_from (which the job
-    started from, and has gone past)."""
+    started from, and has gone past); any resume wins over --init_from, which starts a run."""
     latest = os.path.join(args.out_dir, "ckpt.pt")
     if restarted and os.path.exists(latest):
         path, flag = latest, "--resume"
@@ -161,9 +173,15 @@ def choose(args, restarted):
         path, flag = args.resume_from, "--resume_from"
     elif args.resume:
         path, flag = latest, "--resume"
+    elif args.init_from is not None:
+        from common import pretrained  # only with --init_from: a run without it never imports it
+        path, error = pretrained.weights_path(args.init_from)
+        if error is not None:
+            return dict(error=error), None
+        flag = "--init_from"
     else:
         return None, None  # also a restart before the first checkpoint was written
-    ckpt, error = read(path, flag)
+    ckpt, error = read(path, flag, args)
     if error is None:
         error = _check(ckpt, path, args)
     if error is not None:
@@ -173,7 +191,7 @@ def choose(args, restarted):
     return choice, ckpt
 
 
-def read_chosen(choice, rank):
+def read_chosen(choice, rank, args):
     """(the checkpoint at rank 0's chosen path, None), or (None, the line saying that this rank
     cannot see it, or sees another file there: a stale copy, as NFS may show for a while)."""
     path, flag = choice["path"], choice["flag"]
@@ -183,7 +201,7 @@ def read_chosen(choice, rank):
            "can read")
     if not os.path.exists(path):
         return None, f"{flag}: {path} is not visible from {where}: {fix}"
-    ckpt, error = read(path, flag)
+    ckpt, error = read(path, flag, args)
     if error is not None:  # e.g. a file still being copied
         return None, f"{error}, on {where}: {fix}"
     read_here = dict(step=ckpt["step"], save=ckpt.get("save"), bytes=os.path.getsize(path))
@@ -202,7 +220,8 @@ def _check(ckpt, path, args):
     mismatch = config_mismatch(ckpt["config"], args)
     if mismatch is not None:
         key, saved, value = mismatch
-        return f"--{key}: the checkpoint {path} has {key}={saved}, this run has {value}"
+        flag = "--init_from" if key == "gelu" else f"--{key}"  # tanh: started from GPT-2's weights
+        return f"{flag}: the checkpoint {path} has {key}={saved}, this run has {value}"
     if ckpt["step"] > args.max_iters:
         return (f"--max_iters: the checkpoint {path} is at step {ckpt['step']}, "
                 f"past --max_iters {args.max_iters}")

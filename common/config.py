@@ -82,6 +82,12 @@ def parse_args(strategy, add_flags=None, argv=None):
     m = p.add_argument_group("model (defaults from --preset; a flag overrides it)")
     m.add_argument("--preset", choices=sorted(PRESETS), default="small",
                    help="small: 4 layers, 128 wide, block 64 (CPU); gpt2: GPT-2 124M")
+    m.add_argument("--init_from", default=None, metavar="gpt2|gpt2-medium|gpt2-large|gpt2-xl|DIR",
+                   help="start from OpenAI's GPT-2 weights: the Hugging Face hub's cache "
+                        "(huggingface_hub downloads them there if it is installed), or a folder "
+                        "holding config.json and model.safetensors; the model's sizes are theirs "
+                        "(a size flag given must agree) and its GELU GPT-2's tanh one. A resume "
+                        "(--resume, --resume_from, a restart) wins: it continues the run")
     for name, typ in (("n_layer", int), ("n_head", int), ("n_embd", int), ("block_size", int),
                       ("vocab_size", int), ("dropout", float)):
         m.add_argument(f"--{name}", type=typ, default=None)
@@ -149,16 +155,24 @@ def parse_args(strategy, add_flags=None, argv=None):
         add_flags(p.add_argument_group(strategy))
     check_torch()
     args = p.parse_args(argv)
+    if args.init_from is not None:  # the sizes of the weights, before the preset's
+        from common.pretrained import take_sizes  # only here: a run without it never imports it
+        error = take_sizes(args)
+        if error is not None:
+            die(error)
     preset = PRESETS[args.preset]
     for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout", "bias"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
     if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.max_iters
+        args.lr_decay_iters = max(1, args.max_iters)  # --max_iters 0 takes no step
     if args.dtype is None:  # resolved here, before any script's checks read it (pp's torch gate)
         args.dtype = default_dtype(args)
     check_core_args(args)
     check_moe_args(args, strategy)
+    if args.init_from is not None and args.n_experts:
+        die(f"--init_from: OpenAI's GPT-2 is a dense GPT, not a mixture of --n_experts "
+            f"{args.n_experts}")
     return args
 
 
@@ -242,12 +256,16 @@ def check_torch(needed=TORCH_FLOOR, what="nanodist",
 
 def check_core_args(args):
     positive = ["n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size",
-                "grad_accum_steps", "max_iters", "learning_rate", "eval_iters", "log_interval",
-                "lr_decay_iters"]
+                "grad_accum_steps", "learning_rate", "eval_iters", "log_interval", "lr_decay_iters"]
     positive.append("timeout_s")
     for name in positive:
         if not getattr(args, name) > 0:
             die(f"--{name}: must be > 0, got {getattr(args, name)}")
+    if args.max_iters < 0 or (args.max_iters == 0 and args.init_from is None):
+        die(f"--max_iters: must be > 0 (0, to evaluate the weights, with --init_from), "
+            f"got {args.max_iters}")
+    if args.max_iters == 0 and not args.eval_interval:
+        die("--max_iters: 0 takes no step and only evaluates: not with --eval_interval 0")
     non_negative = ("min_lr", "warmup_iters", "weight_decay", "grad_clip", "eval_interval",
                     "checkpoint_interval")
     for name in non_negative:
@@ -283,6 +301,8 @@ def gpt_config(args):
     config = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size,
                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                        dropout=args.dropout, bias=args.bias)
+    if args.init_from is not None:  # OpenAI's weights learned GPT-2's GELU
+        config.gelu = "tanh"
     if args.n_experts:  # a mixture of experts; dense: the fields' zeros
         config.n_experts, config.top_k = args.n_experts, args.top_k
         config.expert_hidden = args.expert_hidden

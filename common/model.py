@@ -1,8 +1,9 @@
 """The nanoGPT GPT-2 model, shared by every strategy script.
 
-Pre-LayerNorm blocks, causal scaled_dot_product_attention, GELU MLP, learned position
-embeddings, `wte` tied to `lm_head`, nanoGPT's initialisation. With `n_experts` > 0 each block's
-MLP is a mixture of experts (MoE below); 0 is the dense GPT.
+Pre-LayerNorm blocks, causal scaled_dot_product_attention, GELU MLP (the exact GELU; GPT-2's tanh
+approximation for OpenAI's weights, common/pretrained.py), learned position embeddings, `wte` tied
+to `lm_head`, nanoGPT's initialisation. With `n_experts` > 0 each block's MLP is a mixture of
+experts (MoE below); 0 is the dense GPT.
 
 Initialisation depends only on (seed, parameter name): `init_tensor(name, shape, config, seed)`
 draws each tensor from its own CPU generator, so the weights are bit-identical whether the
@@ -30,6 +31,7 @@ class GPTConfig:
     n_experts: int = 0  # > 0: each block's MLP is a mixture of this many experts; 0: dense
     top_k: int = 0  # experts per token (MoE only)
     expert_hidden: int = 0  # each expert's hidden width (MoE only; the flags' default: 4C / top_k)
+    gelu: str = "exact"  # "tanh": GPT-2's approximation (gelu_new), which OpenAI's weights learned
 
 
 PRESETS = {
@@ -78,11 +80,15 @@ class CausalSelfAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
+# GPTConfig.gelu -> nn.GELU's `approximate`
+GELU_APPROXIMATE = {"exact": "none", "tanh": "tanh"}
+
+
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU()
+        self.gelu = nn.GELU(approximate=GELU_APPROXIMATE[config.gelu])
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -99,7 +105,7 @@ class Expert(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, config.expert_hidden, bias=config.bias)
-        self.gelu = nn.GELU()
+        self.gelu = nn.GELU(approximate=GELU_APPROXIMATE[config.gelu])
         self.c_proj = nn.Linear(config.expert_hidden, config.n_embd, bias=config.bias)
 
     def forward(self, x):
