@@ -21,7 +21,7 @@ from common import pretrained
 from common.checkpoint import choose, config_mismatch
 from common.config import gpt_config, parse_args
 from common.data import GPT2_VOCAB, get_batch
-from common.model import GPT, GPTConfig
+from common.model import GPT
 
 # A small GPT-2: 2 layers, 2 heads, 64 wide, 64 positions, GPT-2's vocabulary (the data's token ids need it)
 SIZES = dict(n_layer=2, n_head=2, n_embd=64, n_positions=64, vocab_size=GPT2_VOCAB)
