@@ -7,10 +7,12 @@ and FineWeb-Edu's 10B-token samples (docs/data.md).
 The parquet files download in the background (huggingface_hub, into its cache) while a pool of
 workers tokenises the files already there, one row group a task, with tiktoken's GPT-2 encoding
 and <|endoftext|> before each document. The main process appends the tokens, in corpus order, to
-the temporary file of the current shard; a full shard (--shard_tokens uint16 ids) is published
+the partial file of the current shard; a full shard (--shard_tokens uint16 ids) is published
 (common.data.publish), then the manifest that names it, with where the shard starts: (document,
-offset), as documents span shards. A rerun skips the shards the manifest names, so a prepare
-killed at any point resumes, and the loader never sees a partial shard.
+offset), as documents span shards, and where every stream's partial shard stands. A rerun skips
+the shards the manifest names and continues the partial ones it records, so a prepare killed at
+any point resumes, and the loader never sees a partial shard. Branches and tags are pinned to
+their commit; --format llmc writes llm.c's shards; --verify checks a prepared folder.
 The hub's corpora need requirements-data.txt (pyarrow, huggingface_hub); training never imports
 this module (`python -m common.data <name>`, an older spelling, runs this command in a process of
 its own).
