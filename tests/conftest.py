@@ -46,6 +46,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(REPO), "shared")
 sys.path.insert(0, REPO)
 from common import data  # noqa: E402 (after REPO is on the path)
+from runs import check_plan  # noqa: E402
 
 # Offline: the folder NANODIST_OFFLINE_DIR names (docs/offline.md), by default ../shared beside the checkout
 # when it holds the text (never committed); with neither, the text and the tokenizer are downloaded. The scripts
@@ -154,7 +155,11 @@ def launch(script, nproc, args, timeout=300, check_teardown=True, torchrun=True,
     if not old_names:
         assert not re.search(r"torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
                              stderr), stderr[-3000:]
-    return subprocess.CompletedProcess(procs[0].args, next((c for c in codes if c), 0), stdout, stderr)
+    code = next((c for c in codes if c), 0)
+    if code == 0 and script.endswith("_train.py") and "--out_dir" in args:  # plan.py's model state, exact
+        out_dir = args[list(args).index("--out_dir") + 1]
+        check_plan(os.path.basename(script), list(args), os.path.join(REPO, out_dir))  # an absolute one: itself
+    return subprocess.CompletedProcess(procs[0].args, code, stdout, stderr)
 
 
 # The environment variables that can change what importing torch does (threads, logging, config read at import):

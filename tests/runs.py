@@ -30,6 +30,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 from common.distributed import teardown  # noqa: E402
 from common.metrics import Metrics, timers  # noqa: E402
+import plan  # noqa: E402
 
 COUNTED = ("frames", "stats", "graph_break")  # what dynamo traced, compiled, and where it broke
 after_first_step = []  # this run's counters after its first training step, once taken
@@ -91,6 +92,20 @@ def count_attends(modules):
         cls.attend = functools.wraps(vars(cls)["attend"])(counted_attend)
 
 
+def check_plan(script, argv, out_dir):
+    """plan.py's model state for this run, rank by rank, against what the run logged: exactly, for
+    every run the suite makes through this file."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    summary = [json.loads(line) for line in open(path) if '"summary"' in line] if os.path.exists(path) else []
+    if script not in plan.PLANS or not summary or not summary[-1]["tokens_per_sec"]:
+        return  # a run that took no step (--max_iters 0, a resume at its end) has no gradients: the plan is a step's
+    logged = summary[-1]["model_state_bytes_per_rank"]
+    predicted = plan.per_rank(plan.plan(script, len(logged), argv), len(logged), "model_state")
+    if predicted != logged:
+        raise AssertionError(f"plan.py {script} {' '.join(argv)}: model state per rank {predicted}, the run "
+                             f"logged {logged}")
+
+
 def split_runs(argv):
     """[(script module name, flags), ...] from `<script> <flags> --- [<script>] <flags> ...`."""
     groups, runs, script = [[]], [], None
@@ -123,6 +138,8 @@ if __name__ == "__main__":
         if "--out_dir" not in argv:
             continue
         out_dir, rank = argv[argv.index("--out_dir") + 1], os.environ.get("RANK", "0")
+        if rank == "0":
+            check_plan(f"{script}.py", argv, out_dir)
         with open(os.path.join(out_dir, f"attend_rank{rank}.json"), "w") as f:
             json.dump(attends, f)
         if after_first_step:

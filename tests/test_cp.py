@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cp_train
+import plan
 from conftest import TINY, refusal, spawn
 from common import flash
 from common.distributed import torch_name
@@ -262,6 +263,23 @@ def test_communication_per_layer_equals_the_formulas(unit):
                 assert (forward, backward) == ((cp - 1) * kv, 2 * (cp - 1) * kv), (cp, mode, zigzag, forward, backward)
             else:  # cp-1 ring steps; backward: K,V again, and each dK,dV accumulator's cp steps home
                 assert (forward, backward) == ((cp - 1) * kv, (2 * cp - 1) * kv), (cp, mode, zigzag, forward, backward)
+
+
+def test_plan_predicts_the_bytes_each_layer_sends(unit):
+    """plan.py's figures for cp_train.py at one layer, one micro-step, fp32 (what the rank hands each collective)
+    equal the numbers measured above, once each collective's hand-over is turned into what leaves the rank."""
+    T, C = 32, H * D
+    for r in unit:
+        for (cp, mode, zigzag), (forward, backward) in r["sent"].items():
+            flags = ["--n_layer", "1", "--n_head", str(H), "--n_embd", str(C), "--block_size", str(T), "--batch_size",
+                     str(B * 4 // cp), "--dropout", "0", "--dtype", "float32", "--cp_mode", mode,
+                     "--context_parallel_size", str(cp)] + (["--load_balance", "false"] if mode == "ring" and not zigzag
+                                                            else [])
+            leaves = {"send": 1, "all_gather": cp - 1, "reduce_scatter": Fraction(cp - 1, cp),
+                      "all_to_all": Fraction(cp - 1, cp)}  # of the bytes handed over
+            comm = plan.plan("cp_train.py", 4, flags)[0].comm
+            sent = sum(leaves[key.split("@")[0]] * nbytes for key, nbytes in comm.items() if key.endswith("@cp"))
+            assert sent == 4 * (forward + backward), (cp, mode, zigzag, comm, forward, backward)
 
 
 def test_saved_activations_at_cp2_are_at_most_055_of_one_process(unit):

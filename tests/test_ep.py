@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import common.model
 import ep_train
+import plan
 from conftest import PARITY, TINY, paired, read_metrics, refusal, spawn, worst
 from common.config import gpt_config, parse_args
 from common.data import get_batch
@@ -507,21 +508,23 @@ def test_all_to_all_bytes_match_the_formula(runs):
             assert {d for _, d in sent} == {"torch.int64", f"torch.{dtype}"}
             mine = [routing[layer][rank * 4 + 2 * j:rank * 4 + 2 * j + 2] for j in range(2) for layer in range(2)]
             assert all(torch.equal(a, b) for a, b in zip(chosen, mine, strict=True)), (rank, dtype)
+        # plan.py's figure is balanced routing's (R = N k on every rank): its sum over the EP group is theirs
+        balanced = plan.plan("ep_train.py", 2, TINY + MOE + ACCUM + ["--dtype", dtype])[0].comm["all_to_all@ep"]
+        assert sum(b for r in runs["checks2"] for b, _ in r["ledger"][dtype][0]) == 2 * balanced, dtype
 
 
 def test_each_rank_holds_its_experts_and_their_adamw_state_only(runs):
     full = {n: p.numel() for n, p in GPT(gpt_config(parse_args("ep", None, TINY + MOE)), device="meta")
             .named_parameters()}
     expert_numel = sum(v for n, v in full.items() if ".experts." in n)
-    dense_numel = sum(v for n, v in full.items() if ".experts." not in n)
+    planned = plan.per_rank(plan.plan("ep_train.py", 2, TINY + MOE + ACCUM), 2, "model_state")  # 16 bytes a number
     held = []
     for rank, r in enumerate(runs["checks2"]):
         _, experts, state, state_bytes, _ = r["ledger"]["float32"]
         assert {n.split(".experts.")[1].split(".")[0] for n in experts} == {str(2 * rank), str(2 * rank + 1)}
         assert all(full[n] == v for n, v in experts.items()) and sum(experts.values()) == expert_numel // 2
         assert all(s == ["exp_avg", "exp_avg_sq", "step"] for s in state.values()) and state.keys() == experts.keys()
-        n_tensors = len(full) - 4 * 4 * 2 + 4 * 2  # full's dense tensors, and 4 stacked expert tensors a layer
-        assert state_bytes == 16 * (dense_numel + expert_numel // 2) + 4 * n_tensors
+        assert state_bytes == planned[rank], (rank, state_bytes, planned[rank])
         held.append(set(experts))
     assert held[0].isdisjoint(held[1]) and held[0] | held[1] == {n for n in full if ".experts." in n}
 

@@ -19,6 +19,7 @@ from common.distributed import all_gather_single, clip_grad_norm_, reduce_scatte
 from common.metrics import held_bytes
 from common.model import GPT, GPTConfig, init_tensor
 import common.sharded_checkpoint
+import plan
 from fsdp_train import FSDP, FlatParamUnit, FullyShardedGPT, ShardedAdamW, add_fsdp_flags, checkpoint, resume
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
@@ -125,6 +126,7 @@ def test_gradients_tied_weight_and_global_norm_equal_the_reference(three_ranks):
 
 
 LEDGER_CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=4, n_head=2, n_embd=32)  # 4 blocks
+LEDGER_FLAGS = ["--block_size", "16", "--n_layer", "4", "--n_head", "2", "--n_embd", "32", "--dtype", "float32"]
 
 
 def _ledger_and_freeing(rank, world_size, reshard, prefetch):
@@ -226,6 +228,10 @@ def _check_ledger(r, world_size, reshard, prefetch):
     # each all-gather sends one shard; each reduce-scatter sends a whole flat gradient (N shards)
     expected = [n // world_size for n in scatters] + ([r["block_bytes"] // 4 // world_size] * n_blocks if reshard else [])
     assert sorted(gathers) == sorted(expected)
+    # plan.py's bytes a step (fp32: 4 a value; one micro-step): the same totals
+    flags = [*LEDGER_FLAGS, "--reshard_after_forward", str(reshard), "--prefetch", str(prefetch)]
+    planned = plan.plan("fsdp_train.py", world_size, flags)[0].comm
+    assert (4 * sum(gathers), 4 * sum(scatters)) == (planned["all_gather@world"], planned["reduce_scatter@world"])
 
 
 class TensorBytes(TorchDispatchMode):
@@ -354,9 +360,9 @@ def test_script_two_ranks_checkpoint_metrics_and_summary(tmp_path):
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records if "loss" in r] == [0, 1, 2]
     summary = records[-1]
-    # each rank holds 1/N of every unit: fp32 param, grad, exp_avg, exp_avg_sq shards + AdamW's step (4 bytes a unit)
-    units = _sharded(GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=64), 0, 2)[1].units
-    assert summary["model_state_bytes_per_rank"] == [16 * sum(u.shard_size for u in units) + 4 * len(units)] * 2
+    # each rank holds 1/N of every unit: fp32 param, grad, exp_avg, exp_avg_sq shards + AdamW's step (4 bytes a unit),
+    # as plan.py counts it
+    assert summary["model_state_bytes_per_rank"] == plan.per_rank(plan.plan("fsdp_train.py", 2, TINY), 2, "model_state")
     # the waits on communication were timed on every rank (their length is not asserted: no timing in tests)
     exposed = summary["exposed_comm_ms_per_rank"]
     assert len(exposed) == 2 and all(isinstance(ms, float) and math.isfinite(ms) for ms in exposed), exposed

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import plan
 from conftest import TINY, refusal, spawn
 from hybrid_train import (AXES, GROUPS, Hybrid, add_hybrid_flags, axis_groups, check_hybrid_args, grid_error,
-                          rank_grid, shard, shard_dim, tied_pairs)
+                          rank_grid, shard, tied_pairs)
 from common.config import gpt_config, parse_args
 from common.data import get_batch
 from common.distributed import BEFORE_2_13, torch_name
@@ -198,6 +199,10 @@ LEDGER_FLAGS = TINY + ["--tensor_parallel_size", "2", "--pipeline_parallel_size"
                        "--n_microbatches", "2", "--max_iters", "1"]
 
 
+def ledger_flags(sequence_parallel):
+    return LEDGER_FLAGS + ["--sequence_parallel", str(sequence_parallel)]
+
+
 def _ledgers(rank, world_size):
     """_ledger without and with SP, on one set of ranks."""
     return [_ledger(world_size, sequence_parallel) for sequence_parallel in (False, True)]
@@ -208,7 +213,7 @@ def _ledger(world_size, sequence_parallel):
     this rank's model-state bytes."""
     os.environ["WORLD_SIZE"] = str(world_size)
     import hybrid_train
-    args = parse_args("hybrid", add_hybrid_flags, LEDGER_FLAGS + ["--sequence_parallel", str(sequence_parallel)])
+    args = parse_args("hybrid", add_hybrid_flags, ledger_flags(sequence_parallel))
     check_hybrid_args(args, world_size)
     config = gpt_config(args)
     model = hybrid_train.Hybrid(config, args, torch.device("cpu"))
@@ -238,8 +243,7 @@ def _ledger(world_size, sequence_parallel):
         for name in names:
             setattr(dist, torch_name(name), originals[name])
     optimizer.step()
-    place = dict(model.grid.coords, first=model.model.first, last=model.model.last,
-                 tensors=len(list(model.model.parameters())))
+    place = dict(model.grid.coords, first=model.model.first, last=model.model.last)
     return place, moved, model_state_bytes(optimizer)
 
 
@@ -259,10 +263,10 @@ def test_model_state_is_16_bytes_a_parameter_of_this_ranks_shard_of_its_stage(le
     config = gpt_config(parse_args("hybrid", add_hybrid_flags, LEDGER_FLAGS))
     tp, pp, V, C = 2, 2, config.vocab_size, config.n_embd
     total = sum(p.numel() for p in GPT(config, device="meta").parameters())  # P: the tied wte/lm_head once
-    for place, _, state_bytes in ranks:
-        numel = expected_local_numel(config, place, tp, pp)
-        # + AdamW's step: a 4-byte scalar tensor a parameter tensor
-        assert state_bytes == 16 * numel + 4 * place["tensors"], (place, state_bytes, 16 * numel)
+    planned = plan.per_rank(plan.plan("hybrid_train.py", 8, ledger_flags(sp)), 8, "model_state")
+    for rank, (place, _, state_bytes) in enumerate(ranks):
+        # plan.py's: its stage's TP shards, the replicated tensors, the head's copy; + AdamW's step a tensor
+        assert state_bytes == planned[rank], (place, state_bytes, planned[rank])
         # against the ideal 16P/(tp*pp): the replicated small tensors and the head's copy are the excess
         excess = state_bytes - 16 * total / (tp * pp)
         assert 0 < excess <= 16 * (V * C / tp + total / (tp * pp) * 0.05), (place, excess)
@@ -275,7 +279,8 @@ def test_collective_bytes_per_axis_follow_the_docstring(ledger):
     C, V, L = config.n_embd, config.vocab_size, config.n_layer // pp
     b, Tc = 8 // M, config.block_size // cp  # rows a micro-batch (dp 1, one micro-step); positions a CP rank
     act = b * Tc * C  # one activation at my CP positions, whole over TP
-    for place, moved, _ in ranks:
+    planned = plan.per_rank(plan.plan("hybrid_train.py", 8, ledger_flags(sp)), 8, "comm")
+    for rank, (place, moved, _) in enumerate(ranks):
         first, last = place["first"], place["last"]
         by_axis = {}
         for axis, op, numel in moved:
@@ -297,28 +302,12 @@ def test_collective_bytes_per_axis_follow_the_docstring(ledger):
         message = act // tp if sp else act
         assert by_axis["pp"] == M * (int(not last) + int(not first)) * [("send", message)], place
         # dp x cp: the stage's gradients once; pp ends: the tied wte/lm_head rows once
-        grads = sum(n for op, n in by_axis["dpxcp"])
-        assert all(op == "all_reduce" for op, _ in by_axis["dpxcp"])
+        assert [op for op, _ in by_axis["dpxcp"]] == ["all_reduce"]
         assert by_axis["pp ends"] == [("all_reduce", V // tp * C)], place
         assert "ppxtp" not in by_axis  # the norm's group: not in a micro-step
-        assert grads == expected_local_numel(config, place, tp, pp), place
-
-
-def expected_local_numel(config, place, tp, pp):
-    """The parameters a rank at `place` holds: its stage's (blocks by index; wte, wpe on the first; ln_f on the
-    last), the TP-sharded ones 1/tp of them, plus the last stage's copy of wte's vocab/tp rows (pp > 1)."""
-    full = dict(GPT(config, device="meta").named_parameters())
-    per_stage = config.n_layer // pp
-    numel = 0
-    for name, p in full.items():
-        if name.startswith("transformer.h."):
-            held = int(name.split(".")[2]) // per_stage == place["pp"]
-        elif name.startswith(("transformer.wte", "transformer.wpe")):
-            held = place["first"]
-        else:
-            held = place["last"]
-        if held:
-            numel += p.numel() // tp if shard_dim(name) is not None else p.numel()
-    if place["last"] and pp > 1:
-        numel += config.vocab_size * config.n_embd // tp
-    return numel
+        # plan.py's bytes by collective and group (fp32: 4 a number) are these calls', less the norm's
+        totals = {}
+        for axis, op, numel in moved:
+            key = f"{op.removesuffix('_single')}@{'tied' if axis == 'pp ends' else axis}"
+            totals[key] = totals.get(key, 0) + 4 * numel
+        assert totals == {k: v for k, v in planned[rank].items() if k != "all_reduce@ppxtp"}, place

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import plan
 import pp_train
 import pp_vocab_train
 import pp_zb_train
@@ -366,12 +367,15 @@ class Held:
 
 
 @contextmanager
-def recording(issued):
-    """Records every batch_isend_irecv call as [(peer, is_send) per op]."""
+def recording(issued, moved=None):
+    """Records every batch_isend_irecv call as [(peer, is_send) per op]; adds the bytes it sends to moved["send"]."""
     real = torch.distributed.batch_isend_irecv
 
     def record(ops):
         issued.append([(op.peer, op.op is torch.distributed.isend) for op in ops])
+        for op in ops if moved is not None else []:
+            if op.op is torch.distributed.isend:
+                moved["send"] = moved.get("send", 0) + op.tensor.nbytes
         return real(ops)
     torch.distributed.batch_isend_irecv = record
     try:
@@ -381,13 +385,16 @@ def recording(issued):
 
 
 @contextmanager
-def counting(counts, names=("broadcast", "all_reduce", "reduce")):
-    """Counts the calls of these torch.distributed collectives."""
+def counting(counts, moved=None, names=("broadcast", "all_reduce", "reduce")):
+    """Counts the calls of these torch.distributed collectives, and adds the bytes each hands over to moved[name] (a
+    broadcast's: its source's only)."""
     real = {name: getattr(torch.distributed, name) for name in names}
 
     def counted(name):
         def call(*args, **kwargs):
             counts[name] = counts.get(name, 0) + 1
+            if moved is not None and kwargs.get("src", torch.distributed.get_rank()) == torch.distributed.get_rank():
+                moved[name] = moved.get(name, 0) + args[0].nbytes
             return real[name](*args, **kwargs)
         return call
     for name in names:
@@ -437,10 +444,10 @@ def _pipeline_grads(rank, p, cases):
 
         def head_rows(r):  # the rows of wte that rank r's lm_head holds: all but with --vocab_parallel
             return model.head_rows(r) if vp else slice(None)
-        meter, issued, counts, eval_counts = LiveSaved([q for _, q in named]), [], {}, {}
+        meter, issued, counts, eval_counts, moved = LiveSaved([q for _, q in named]), [], {}, {}, {}
         vocab_meter = LiveSaved([q for _, q in named])  # what a vocabulary pass saves while it runs, apart
-        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), recording(issued), \
-                counting(counts), metered_vocab_pass(vocab_meter):
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), recording(issued, moved), \
+                counting(counts, moved), metered_vocab_pass(vocab_meter):
             loss = model.forward_backward(x, y, sync=True)  # sync: the tied gradient summed
         gc.collect()
         with recording(issued), counting(eval_counts):
@@ -459,7 +466,7 @@ def _pipeline_grads(rank, p, cases):
                         loss=loss.item(), ref_loss=ref_loss.item(), live=meter.live, measured_peak_bytes=meter.peak,
                         peak=peak_live(model.actions), peak_bytes=peak_live(model.actions, size),
                         issued=issued, programs=programs[0] + programs[1], eval_loss=eval_loss.item(),
-                        counts=counts, eval_counts=eval_counts, state_bytes=model_state_bytes(optimizer),
+                        counts=counts, eval_counts=eval_counts, moved=moved, state_bytes=model_state_bytes(optimizer),
                         vocab_peak=vocab_meter.peak,
                         # the tied gradient's rows, by the rank holding a copy of them, as hashes (a tensor returned
                         # through the spawn queue can outlive its sender's shared memory)
@@ -487,9 +494,21 @@ def owner(name, p, V, layers, v_shape=False):
     return {0} if name.startswith(("transformer.wte", "transformer.wpe")) else {rank(p * V - 1)}
 
 
+def planned(case, p):
+    """plan.py's figures for a case of _pipeline_grads (one micro-step of 16 rows, CONFIG), through the script's flags:
+    a Rank per rank."""
+    schedule, m, V, vp, layers = case
+    layers = layers or [CONFIG.n_layer // p // V] * p * V
+    flags = ["--n_layer", "4", "--n_head", "2", "--n_embd", "32", "--block_size", "16", "--vocab_size", "50304",
+             "--bias", "true", "--batch_size", "16", "--schedule", schedule, "--n_microbatches", str(m),
+             "--stage_layers", ",".join(map(str, layers))]
+    flags += ["--virtual_stages", str(V)] * (schedule == "interleaved") + ["--vocab_parallel", "true"] * vp
+    ranks = plan.plan(Path(script_for(schedule, vp).__file__).name, p, flags)
+    return [next(rank for rank in ranks if r in rank.ranks) for r in range(p)]
+
+
 def _check(results, p):
     every = [n for n, _ in GPT(CONFIG, device="meta").named_parameters(remove_duplicate=False)]  # lm_head too
-    numel = {n: q.numel() for n, q in GPT(CONFIG, device="meta").named_parameters(remove_duplicate=False)}
     C, vocab = CONFIG.n_embd, CONFIG.vocab_size
     for rank, cases in enumerate(results):
         for r in cases:
@@ -501,12 +520,19 @@ def _check(results, p):
             last_rank = 0 if v else p - 1  # the rank of the last stage, its head and its loss
             mine = {n for n in every if rank in owner(n, p, V, layers, v) and not (vp and n == "lm_head.weight")}
             assert r["names"] == mine | ({"lm_head.weight"} if vp else set()), r["case"]
-            # model state: 16 bytes (fp32 param, grad, AdamW's two moments) per value held, and AdamW's 4-byte step
-            # per tensor; the head's copy is 16*vocab*C on the last rank, or 16*vocab*C/p on every rank with
-            # --vocab_parallel
-            head = 16 * vocab * C // p if vp else 16 * vocab * C * (rank == last_rank)
-            assert r["state_bytes"] == (16 * sum(numel[n] for n in mine if n != "lm_head.weight") + head
-                                        + 4 * len(r["names"])), r["case"]
+            # model state and the bytes this micro-step's collectives and sends handed over: plan.py's (the norm's
+            # all-reduce, in clip_grad_norm_, is not in forward_backward)
+            figures = planned(r["case"], p)[rank]
+            assert r["state_bytes"] == figures.model_state, r["case"]
+            comm = {}
+            for key, nbytes in figures.comm.items():
+                if key != "all_reduce@world":
+                    comm[key.split("@")[0]] = comm.get(key.split("@")[0], 0) + nbytes
+            assert r["moved"] == comm, r["case"]
+            # plan.py's bubble, the timetable's idle steps: the textbook's for equal stages (zb1p: 3m F, B and W steps)
+            busy = {"interleaved": V * m, "zb1p": 3 * m}.get(schedule, m)
+            if not vp and schedule != "zbv":
+                assert figures.bubble == pytest.approx((p - 1) / (busy + p - 1)), r["case"]
             assert r["max_diff"] <= 1e-6, r["case"]  # every gradient, the tied one included, equals the reference's
             assert r["live"] == 0, "every saved activation must be released by its backward"
             # the script's figure (one micro-batch's saved bytes per chunk x the schedule's live micro-batches)

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from conftest import TINY, launch
+import plan
 import common.recompute as recompute
 from common.metrics import SavedActivations
 from common.model import GPT, GPTConfig
@@ -37,14 +38,8 @@ from common.recompute import checkpoint_blocks, torch_checkpoint_blocks
 
 S, B, H, A = 32, 3, 48, 4  # distinct, so that each term of an expression is visible
 SBH = S * B * H
-CPU_BYTES = {  # (dropout, mode) -> bytes per layer, one process
-    (0.1, "none"): 4 * (18 * SBH + 3 * A * S * S * B) + 16 * S * B,
-    (0.1, "selective"): 4 * 18 * SBH + 16 * S * B,
-    (0.1, "full"): 4 * SBH,
-    (0.0, "none"): 64 * SBH + 4 * A * S * B + 16 * S * B,
-    (0.0, "selective"): 64 * SBH + 16 * S * B,
-    (0.0, "full"): 4 * SBH,
-}
+CPU_BYTES = {(dropout, mode): plan.layer_activations(S, B, H, A, mode, dropout)  # (dropout, mode) -> bytes a layer
+             for dropout in (0.1, 0.0) for mode in recompute.MODES}
 
 
 def saved_bytes(n_layer, mode, dropout):
@@ -68,10 +63,11 @@ def test_bytes_per_layer_equal_the_formula(dropout, mode):
 def test_tp_bytes_per_layer_equal_the_divided_formulas(tmp_path):
     """tp_train.py at t = 2, SP off and on, dropout 0.1: each rank's bytes per layer, in one launch of 12 runs."""
     t = 2
-    whole = {"none": 24 * SBH + 48 * SBH // t + 12 * A * S * S * B // t + 16 * S * B,
-             "selective": 24 * SBH + 48 * SBH // t + 16 * S * B, "full": 4 * SBH}
-    sp = {"none": 8 * SBH + 64 * SBH // t + 12 * A * S * S * B // t + 16 * S * B // t,
-          "selective": 8 * SBH + 64 * SBH // t + 16 * S * B // t, "full": 4 * SBH // t}
+    whole = {mode: plan.layer_activations(S, B, H, A, mode, 0.1, t) for mode in recompute.MODES}
+    sp = {mode: plan.layer_activations(S, B, H, A, mode, 0.1, t, sp=True) for mode in recompute.MODES}
+    # the docstring's expressions, term by term: plan.py's are these
+    assert whole["none"] == 24 * SBH + 48 * SBH // t + 12 * A * S * S * B // t + 16 * S * B
+    assert sp["none"] == 8 * SBH + 64 * SBH // t + 12 * A * S * S * B // t + 16 * S * B // t
     flags = TINY + ["--n_head", str(A), "--n_embd", str(H), "--block_size", str(S), "--batch_size", str(B),
                     "--dropout", "0.1", "--max_iters", "1"]
     runs = {}

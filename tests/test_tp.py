@@ -18,6 +18,7 @@ from common.data import get_batch
 from common.distributed import torch_name
 from common.model import GPT, GPTConfig
 from common.metrics import SavedActivations
+import plan
 import tp_overlap_train
 import tp_train
 from tp_overlap_train import OVERLAP_CHUNKS
@@ -115,7 +116,7 @@ def _unit_checks(rank, world_size):
     """Every in-process check on 2 gloo ranks in one spawn (starting ranks costs seconds)."""
     return dict(layers=_layers_equal_unsharded(rank, world_size), model=_model_equals_reference(rank, world_size),
                 counts=_count_all(rank, world_size), activations=_activation_bytes(rank, world_size),
-                checkpoint=_full_state_memory(rank, world_size))
+                checkpoint=_full_state_memory(rank, world_size), step=_step_bytes(rank, world_size))
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +304,48 @@ def test_megatron_communication_whole_model(counts):
     fwd, bwd, sizes = counts[True, True]
     assert fwd == {"all_reduce": 2, "all_gather_single": 2 * L + 1, "reduce_scatter_single": 2 * L + 1}
     assert bwd == {"all_reduce": 0, "all_gather_single": 2 * L + 1, "reduce_scatter_single": 2 * L + 1}
+
+
+def _step_bytes(rank, world_size):
+    """Bytes TensorParallel hands to each collective in one step at TP=2, D=1 (main()'s forward_backward(sync) and
+    clip_grad_norm_; no loss average over one DP rank): an all-reduce's tensor, the others' input. SP off and on."""
+    originals = {name: getattr(dist, torch_name(name)) for name in COLLECTIVES}
+    handed = {}
+
+    def counting(name):
+        def collective(*args, **kwargs):
+            x = args[0] if name == "all_reduce" else args[1]
+            handed[name] = handed.get(name, 0) + x.numel() * x.element_size()
+            return originals[name](*args, **kwargs)
+        return collective
+
+    result = {}
+    for sp in (False, True):
+        strategy, x, y = _strategy(sp), *get_batch("train", 0, B, T, seed=0)
+        handed.clear()
+        for name in originals:
+            setattr(dist, torch_name(name), counting(name))
+        try:
+            strategy.forward_backward(x, y, sync=True)
+            strategy.clip_grad_norm_(0.0)
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, torch_name(name), fn)
+        result[sp] = dict(handed)
+    return result
+
+
+def test_plan_predicts_the_bytes_of_a_step(unit):
+    """plan.py's figures for tp_train.py equal the bytes a step hands to each collective on the TP group."""
+    keys = {"all_reduce": "all_reduce@tp", "all_gather_single": "all_gather@tp",
+            "reduce_scatter_single": "reduce_scatter@tp"}
+    flags = ["--n_layer", str(CONFIG.n_layer), "--n_head", str(CONFIG.n_head), "--n_embd", str(C), "--block_size",
+             str(T), "--vocab_size", str(CONFIG.vocab_size), "--batch_size", str(B), "--dropout", "0", "--bias", "true",
+             "--dtype", "float32"]
+    for r in unit:
+        for sp, handed in r["step"].items():
+            predicted = plan.plan("tp_train.py", 2, flags + ["--sequence_parallel", str(sp)])[0].comm
+            assert predicted == {keys[name]: nbytes for name, nbytes in handed.items()}, (sp, predicted, handed)
 
 
 def _activation_bytes(rank, world_size):

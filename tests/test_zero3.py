@@ -22,12 +22,24 @@ from common.config import parse_args
 from common.data import get_batch
 from common.metrics import activations, held_bytes, model_state_bytes
 from common.model import GPT, PRESETS, GPTConfig, configure_optimizer, init_tensor
+import plan
 from zero3_tuning_train import (STAGES, ParamFetcher, ReduceToOwner, ZeRO3, add_zero3_flags,
                          gather_full_state, materialize_owned_, partition)
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)  # wte is 97% of P
 BALANCED = GPTConfig(block_size=16, vocab_size=256, n_layer=4, n_head=2, n_embd=64)  # no dominant tensor
 SMALL_TENSORS = 1000  # a --persistence_threshold that keeps CONFIG's biases, LayerNorms and wpe (512) replicated
+
+
+def _args(stage=3, threshold=0, accum=1, reuse=10**9, dtype="float32", flags=()):
+    return parse_args("zero3", add_zero3_flags, ["--stage", str(stage), "--persistence_threshold", str(threshold),
+                                                 "--grad_accum_steps", str(accum), "--max_reuse_distance", str(reuse),
+                                                 "--dtype", dtype, *flags])
+
+
+def _planned(args, rank, world_size, config):
+    """plan.py's figures for this rank of zero3_tuning_train.py: the one home of the byte formulas."""
+    return next(r for r in plan.PLANS["zero3_tuning_train.py"](args, world_size, config) if rank in r.ranks)
 
 
 def _shapes(config):
@@ -320,7 +332,7 @@ def test_memory_ledger(ranks, case):
         owned = kept - persistent
         assert grads == {rank: 4 * owned, 1 - rank: 0, **({None: 4 * persistent} if persistent else {})}, grads
         # params + grads + AdamW (exp_avg, exp_avg_sq): 16 bytes per kept element, and a 4-byte step per tensor
-        assert state == 16 * kept + 4 * n_kept, (state, kept)
+        assert state == _planned(_args(threshold=threshold, reuse=case[1]), rank, 2, BALANCED).model_state, state
         # measured before every module's forward and backward: only that module's (and the prefetched
         # next module's) non-owned tensors are held; everything else was released
         assert held_at == expected_at and len(held_at) == 2 * (4 + 4) - 2
@@ -368,17 +380,17 @@ def _communication(rank, world_size, threshold, accum, reuse, dtype=torch.float3
 @pytest.mark.parametrize("threshold,accum,reuse", COMMUNICATION_CASES)
 def test_communication_ledger(ranks, threshold, accum, reuse):
     grads = {n: b for r in ranks for n, b in r["communication"][threshold, accum, reuse][2].items()}  # as measured
-    for sent, sizes, _, owner, unit_owners in (r["communication"][threshold, accum, reuse] for r in ranks):
+    for rank, r in enumerate(ranks):
+        sent, sizes, _, owner, unit_owners = r["communication"][threshold, accum, reuse]
+        planned = _planned(_args(3, threshold, accum, reuse), rank, 2, CONFIG).comm
         assert all(sizes[n] == grads[n] for n in sizes), "fp32: a gradient has the bytes of its parameter"
         partitioned = [n for n in sizes if owner[n] is not None]
         persistent = [n for n in sizes if owner[n] is None]
         # per micro-step: every partitioned tensor broadcast twice (forward, backward), except wpe, whose
         # lookup backward reads no weight; the tied wte twice as one tensor (embedding, head), or once
-        # when kept from the embedding to the head (--max_reuse_distance)
-        once = ["transformer.wpe.weight"] + (["transformer.wte.weight"] if reuse else [])
-        twice = [n for n in partitioned if n not in once]
-        once = [n for n in partitioned if n in once]
-        assert sum(sent["broadcast"]) == accum * (2 * sum(sizes[n] for n in twice) + sum(sizes[n] for n in once))
+        # when kept from the embedding to the head (--max_reuse_distance): plan.py's formula
+        once = [n for n in partitioned if n == "transformer.wpe.weight" or reuse and n == "transformer.wte.weight"]
+        assert sum(sent["broadcast"]) == planned["broadcast@world"]
         # in one message per (module, owner): forward every module, less the head's kept wte; backward the
         # blocks and ln_f (the head's buffer stays from its forward, a lookup's backward needs no weight)
         messages = sum(map(len, unit_owners)) - (1 if reuse else 0) + sum(map(len, unit_owners[2:-1]))
@@ -387,6 +399,9 @@ def test_communication_ledger(ranks, threshold, accum, reuse):
         # owner ends with, and one all-reduce of every persistent gradient per optimizer step
         assert sorted(sent["reduce"]) == sorted(accum * [grads[n] for n in partitioned])
         assert sorted(sent["all_reduce"]) == sorted(grads[n] for n in persistent)
+        # plan.py's totals: the same, and the clip's sum of squares (4 bytes; the logged loss it leaves out)
+        assert sum(sent["reduce"]) == planned["reduce@world"]
+        assert sum(sent["all_reduce"]) + 4 == planned["all_reduce@world"]
         if threshold and not reuse:
             assert not once, "wpe is persistent here: exactly 2 broadcasts + 1 reduce of every partitioned tensor"
 
@@ -559,11 +574,14 @@ def _storage_bytes(tensors):
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}.values())
 
 
-def _stage_step(rank, world_size, implementation, stage, threshold, accum):
+def _stage_args(implementation, stage, threshold, accum):
     window = ["--reduce_bucket_mb", str(STAGE_WINDOW_MB)] if stage == 2 else []  # stage 1: no window
-    args = parse_args("zero3", add_zero3_flags, ["--stage", str(stage), "--implementation", implementation, "--seed",
-                                                 "0", "--learning_rate", str(STAGE_LR), "--grad_accum_steps",
-                                                 str(accum), "--persistence_threshold", str(threshold)] + window)
+    return _args(stage, threshold, accum, flags=["--implementation", implementation, "--seed", "0",
+                                                 "--learning_rate", str(STAGE_LR), *window])
+
+
+def _stage_step(rank, world_size, implementation, stage, threshold, accum):
+    args = _stage_args(implementation, stage, threshold, accum)
     strategy = STAGES[implementation][stage](BALANCED, args, torch.device("cpu"))
     optimizer = strategy.configure_optimizer(args)
     model, (x, y), micro = strategy.model, _rows(rank, world_size, BALANCED), 8 // world_size // accum
@@ -610,27 +628,29 @@ def test_stage_ledgers(ranks, one_process_step, case):
     persistent = [n for n in sizes if all(n in r["kept"] for r in results)]  # every rank keeps their AdamW state
     assert len(persistent) == (0 if threshold == 0 else 34), persistent  # BALANCED's biases and LayerNorms
     for rank, r in enumerate(results):
+        planned = _planned(_stage_args(*case), rank, 2, BALANCED)
         # one step equals one process: every rank holds the whole model, the same after the owners' broadcasts
         assert max((r["params"][n] - p)[mask].abs().max().item() for n, (p, mask) in reference.items()) <= 1e-6
         assert all(torch.equal(r["params"][n], results[0]["params"][n]) for n in sizes)
         assert abs(r["norm"] - reference_norm) <= 1e-6
-        kept = sum(sizes[n] for n in r["kept"])  # owned + persistent, bytes of fp32 values
-        # memory, from the storages held: 4P params; 4P gradients (stage 1) or the kept ones only (stage 2);
-        # AdamW's exp_avg and exp_avg_sq for the kept tensors only (8 bytes an element); the state bytes the
-        # script reports count the same, and AdamW's 4-byte step per kept tensor
-        assert r["param_bytes"] == P
-        assert r["grad_bytes"] == (P if stage == 1 else kept)
-        assert r["adamw_bytes"] == 2 * kept
+        # memory, from the storages held, as plan.py counts it: 4P params; 4P gradients (stage 1) or the kept
+        # (owned + persistent) ones only (stage 2); AdamW's exp_avg and exp_avg_sq for the kept tensors only; the
+        # state bytes the script reports count the same, and AdamW's 4-byte step per kept tensor
+        assert (r["param_bytes"], r["grad_bytes"]) == (planned.params, planned.grads)
+        assert r["adamw_bytes"] + 4 * len(r["kept"]) == planned.optimizer
         assert r["model_state"] == r["param_bytes"] + r["grad_bytes"] + r["adamw_bytes"] + 4 * len(r["kept"])
         # communication per step: stage 1 all-reduces the 4P of gradients once a step, whatever the
         # accumulation; stage 2 reduces each partitioned gradient to its owner on every micro-step, within the
         # --reduce_bucket_mb window, and all-reduces the persistent ones once; both end with one broadcast per
-        # owner of its updated tensors (the logged loss: 4 bytes)
+        # owner of its updated tensors (clip_grad_norm_'s sum of squares: 4 bytes)
         sent, owned = r["sent"], {n for n in sizes if n in r["kept"] and n not in persistent}
         partitioned = [n for n in sizes if n not in persistent]
         owners = [q for q in results if any(n not in persistent for n in q["kept"])]
         assert sent["broadcast"] == [sum(sizes[n] for n in q["kept"] if n not in persistent) for q in owners]
-        assert sum(sent["broadcast"]) == sum(sizes[n] for n in partitioned)
+        assert sum(sent["broadcast"]) == sum(sizes[n] for n in partitioned) == planned.comm["broadcast@world"]
+        if implementation == "custom":  # plan.py's totals (the logged loss, outside this ledger, it leaves out)
+            assert sum(sent["reduce"]) == planned.comm.get("reduce@world", 0)
+            assert sum(sent["all_reduce"]) == planned.comm["all_reduce@world"]
         if stage == 1 and implementation == "custom":
             assert sent["all_reduce"][-1] == 4 and sum(sent["all_reduce"][:-1]) == P and sent["reduce"] == []
         elif stage == 2:

@@ -1,0 +1,636 @@
+"""plan.py: what each strategy costs, per rank, before it runs.
+
+    python plan.py --nproc_per_node 8 fsdp_train.py --preset gpt2 --batch_size 64
+    python plan.py --nproc_per_node 8 --json hybrid_train.py --tensor_parallel_size 2 ...
+
+The script's flags go through its own parser and checks (bad input: its own line). For each class of
+equal ranks: the model state (parameters, gradients, AdamW state: exactly the run's logged
+`model_state_bytes_per_rank`, which tests/runs.py checks after every run the suite makes); per step,
+the bytes the rank hands to each collective by process group (an all-reduce's tensor, an
+all-gather's input shard, a reduce-scatter's whole input, an all-to-all's rows, a send's tensor; the
+logged loss's average, the same in every script, left out); a pipeline's bubble, from the
+schedule's own timetable; and the FLOPs. Each strategy's formulas sit in one function, in the
+README's order, each line with where it comes from.
+"""
+import argparse
+import importlib
+import itertools
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+
+from common.config import gpt_config, parse_args
+from common.metrics import flops_per_token
+from common.model import GPT
+
+FP32 = 4  # bytes: parameters, gradients and AdamW's moments are fp32 in every script
+
+
+@dataclass
+class Rank:
+    """One rank's figures; `ranks`: the ranks that have them."""
+    ranks: list
+    params: int = 0  # bytes
+    grads: int = 0
+    optimizer: int = 0  # AdamW: exp_avg, exp_avg_sq, and its 0-dim fp32 `step` a tensor
+    comm: dict = field(default_factory=dict)  # "collective@group" -> bytes handed per step
+    bubble: float = None  # a pipeline's idle share of the step
+    flops: tuple = None  # (model, hardware) per step, this rank's share
+
+    @property
+    def model_state(self):
+        return self.params + self.grads + self.optimizer
+
+    def send(self, collective, group, nbytes):
+        key = f"{collective}@{group}"
+        self.comm[key] = self.comm.get(key, 0) + int(nbytes)
+
+
+def adamw(numels):
+    """16 bytes a parameter that the rank updates (param, grad, exp_avg, exp_avg_sq in fp32), and
+    AdamW's `step`, one 0-dim fp32 tensor for each tensor it updates: `numels`, their sizes."""
+    numels = list(numels)
+    return dict(params=FP32 * sum(numels), grads=FP32 * sum(numels),
+                optimizer=2 * FP32 * sum(numels) + FP32 * len(numels))
+
+
+def send(rank, collective, group, size, nbytes):
+    """rank.send, for a group of `size` ranks: a group of one moves nothing (the scripts still
+    call the collective), and is not counted."""
+    if size > 1:
+        rank.send(collective, group, nbytes)
+
+
+def compute_bytes(args):
+    """Bytes a number of a matmul's output: bf16 under --dtype bfloat16's autocast
+    (common/distributed.py), else fp32; the LayerNorms' and embeddings' outputs, and gradients
+    into fp32 tensors, stay fp32."""
+    return 2 if args.dtype == "bfloat16" else FP32
+
+
+def parameters(config):
+    """(name, shape) of every parameter of the one-process model, the tied embedding once."""
+    return [(name, tuple(p.shape)) for name, p in GPT(config, device="meta").named_parameters()]
+
+
+def layer_activations(s, b, h, a, mode, dropout, t=1, sp=False):
+    """Bytes one block keeps for backward, fp32 on the CPU: s positions x b rows, h wide, a heads,
+    TP over t ranks (sp: with sequence parallelism). Korthikanti et al. 2022 count 2-byte
+    activations and 1-byte masks; here every element is 4 bytes (CPU's dropout keeps a float mask)
+    and each LayerNorm also keeps its mean and 1/std (2 x 4 bytes a position).
+    tests/test_recompute.py derives each term from common/model.py's ops and measures it."""
+    sbh, sb = s * b * h, s * b
+    if mode == "full":  # the block's input alone (SP: its sequence shard)
+        return 4 * sbh // (t if sp else 1)
+    masks = 8 * sbh if dropout else 0  # the two residual dropouts' float masks
+    if sp:  # whole: the column-parallel linears' gathered inputs; the rest split by sequence, heads
+        whole, split = 8 * sbh, (56 * sbh + masks) // t
+    else:  # whole on every TP rank: the LayerNorms' inputs and outputs, the masks; split: the rest
+        whole, split = 16 * sbh + masks, 48 * sbh // t
+    norms = 16 * sb // (t if sp else 1)  # each LayerNorm's mean and 1/std, 2 x 4 bytes a position
+    if mode == "selective":  # the attention core is recomputed: nothing of it kept
+        core = 0
+    elif dropout:  # SDPA's math path: the s x s scores, probabilities and the dropout's mask
+        core = 12 * a * s * s * b // t
+    else:  # the fused kernel: its log-sum-exp, a float a position and head
+        core = 4 * a * sb // t
+    return whole + split + norms + core
+
+
+def step_flops(config, args, world_size):
+    """The step's FLOPs on each rank if the work splits evenly: the model's, as MFU counts them
+    (common.metrics.flops_per_token, 6 a parameter and attention's), and the hardware's, which
+    adds the recomputed forward (2 of the 6) of --activation_checkpointing full's blocks."""
+    tokens = args.batch_size * args.block_size
+    model = flops_per_token(config) * tokens / world_size
+    recompute = 1 + (args.activation_checkpointing == "full") / 3
+    return model, model * recompute
+
+
+# ---- the strategies, in the README's order -----------------------------------------------------
+
+def ddp(args, world_size, config):
+    """ddp_train.py: every rank holds the whole model and its AdamW state; per step each rank hands
+    its 4P gradient bytes, in buckets, to all-reduces over all ranks (the peer, torch DDP: the
+    same bytes)."""
+    numels = [math.prod(shape) for _, shape in parameters(config)]
+    rank = Rank(list(range(world_size)), **adamw(numels))
+    send(rank, "all_reduce", "world", world_size, FP32 * sum(numels))
+    return [rank]
+
+
+def grouped(ranks):
+    """Ranks with equal figures as one Rank, in rank order."""
+    classes = {}
+    for rank in ranks:
+        key = (rank.params, rank.grads, rank.optimizer, tuple(sorted(rank.comm.items())))
+        if key in classes:
+            classes[key].ranks += rank.ranks
+        else:
+            classes[key] = rank
+    return list(classes.values())
+
+
+def dim0_shard(shape, world_size, rank):
+    """FSDP2's Shard(0) (torch.chunk): ceil(d0/N) rows a rank, the last ranks' fewer or none;
+    returns (this rank's elements, the padded elements every rank all-gathers)."""
+    rows, row = -(-shape[0] // world_size), math.prod(shape[1:])
+    return max(0, min(rows, shape[0] - rank * rows)) * row, rows * row
+
+
+def fsdp_units(config):
+    """fsdp_train.py's FSDP units (FullyShardedGPT): each block's shapes, and the root's last (wte,
+    wpe, ln_f; lm_head is wte)."""
+    units = {}
+    for name, shape in parameters(config):
+        units.setdefault(name.split(".")[2] if ".h." in name else "root", []).append(shape)
+    return [units.pop(key) for key in list(units) if key != "root"] + [units["root"]]
+
+
+def sharded(args, world_size, config, reshard):
+    """fsdp_train.py, and the FSDP2 peers of it and of zero3_train.py --stage 3. Per unit, every
+    rank holds (custom) FlatParamUnit's fp32 local_shard of ceil(numel/N) values, padding included,
+    its grad and AdamW state; or (FSDP2) each tensor's dim-0 rows. Per micro-step (fsdp_train.py
+    FullyShardedGPT's hooks) each unit's shard is all-gathered before forward and each block's
+    again before backward when resharded (the root stays; the recompute reuses the gather); each
+    unit's fp32 flat gradient, N shards, is reduce-scattered. The peers' communication: FSDP2's,
+    by the same rule on its padded dim-0 shards (torch's own; not measured here)."""
+    N, A, custom = world_size, args.grad_accum_steps, args.implementation == "custom"
+    units = fsdp_units(config)
+    gather = compute_bytes(args)  # FlatParamUnit.unshard: in the compute dtype
+    ranks = []
+    for r in [0] if custom else range(N):  # custom: every rank's shards are the same size
+        if custom:  # FlatParamUnit: shard_size = ceil(numel / N), and one AdamW step, per unit
+            local = padded = [-(-sum(map(math.prod, shapes)) // N) for shapes in units]
+            rank = Rank(list(range(N)), **adamw(local))
+        else:  # FSDP2: one DTensor, and one AdamW step, per tensor
+            pieces = [[dim0_shard(shape, N, r) for shape in shapes] for shapes in units]
+            rank = Rank([r], **adamw(own for unit in pieces for own, _ in unit))
+            padded = [sum(pad for _, pad in unit) for unit in pieces]
+        if N > 1:
+            blocks = sum(padded[:-1])
+            rank.send("all_gather", "world", A * gather * (sum(padded) + reshard * blocks))
+            rank.send("reduce_scatter", "world", A * FP32 * N * sum(padded))
+            rank.send("all_reduce", "world", FP32)  # clip_grad_norm_: the shards' squares
+        ranks.append(rank)
+    return grouped(ranks)
+
+
+def fsdp(args, world_size, config):
+    return sharded(args, world_size, config, args.reshard_after_forward)
+
+
+def zero_redundancy(shapes, world_size):
+    """torch's ZeroRedundancyOptimizer._partition_parameters: per param group (common.model's
+    configure_optimizer: >= 2 dims decayed, then the others), largest tensor first onto the
+    least-loaded rank (the lowest on ties), the loads carried across groups: {name: owner}."""
+    owner, load = {}, [0] * world_size
+    for decayed in (True, False):
+        group = [name for name, shape in shapes.items() if (len(shape) >= 2) == decayed]
+        for name in sorted(group, key=lambda name: -math.prod(shapes[name])):  # stable
+            owner[name] = load.index(min(load))
+            load[owner[name]] += math.prod(shapes[name])
+    return owner
+
+
+def zero3(args, world_size, config, threshold=0, reuse=math.inf):
+    """zero3_train.py (threshold, reuse: zero3_tuning_train.py's knobs). partition() gives each
+    tensor whole to one rank (None: persistent, kept on every rank); a rank keeps the fp32 tensor,
+    gradient and AdamW state of what it owns and the persistent ones (OwnedAdamW, stage 3's
+    AdamW), plus every parameter (stages 1, 2: 4P) and every gradient (stage 1: 4P)."""
+    from zero3_tuning_train import partition  # zero3_train.py's, with --persistence_threshold
+    N, A, stage = world_size, args.grad_accum_steps, args.stage
+    if args.implementation == "pytorch" and stage == 3:  # FSDP2, blocks resharded
+        return sharded(args, world_size, config, reshard=True)
+    shapes = dict(parameters(config))
+    sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+    if args.implementation == "pytorch":  # --stage 1: DDP + ZeroRedundancyOptimizer
+        owner = zero_redundancy(shapes, N)
+    else:
+        owner, _ = partition(shapes.items(), N, threshold)
+    kept = {r: [] for r in [None, *range(N)]}  # None: the persistent tensors, kept by every rank
+    for name, n in sizes.items():
+        kept[owner[name]].append(n)
+    P, part = sum(sizes.values()), sum(sizes.values()) - sum(kept[None])
+    ranks = []
+    for r in range(N):
+        rank = Rank([r], **adamw(kept[None] + kept[r]))
+        if stage < 3:  # ZeRO1.build_model: the whole model on every rank
+            rank.params = FP32 * P
+        if stage == 1:  # GradientBuckets (the peer: DDP's): every gradient
+            rank.grads = FP32 * P
+        if N > 1:
+            comm(rank, args, stage, A, sizes, owner, P, part, reuse)
+        ranks.append(rank)
+    return grouped(ranks)
+
+
+def comm(rank, args, stage, A, sizes, owner, P, part, reuse):
+    """What zero3_train.py's step hands to the collectives (its docstring's table)."""
+    rank.send("all_reduce", "world", FP32)  # clip_grad_norm_: the shards' squares
+    if stage == 1:  # GradientBuckets.all_reduce, on the last micro-step
+        rank.send("all_reduce", "world", FP32 * P)
+    else:  # ReduceToOwner: every partitioned fp32 gradient each micro-step, persistent ones once
+        rank.send("reduce", "world", A * FP32 * part)
+        rank.send("all_reduce", "world", FP32 * (P - part))
+    if stage < 3:  # OwnedAdamW.step: each owner's updated tensors, one flat buffer
+        rank.send("broadcast", "world", FP32 * part)
+        return
+    # ParamFetcher, per micro-step: every partitioned tensor before forward and backward, but wpe
+    # (a lookup's backward reads no weight) and the tied wte, whose head's forward and backward
+    # share one fetch, and whose embedding's fetch also serves the head when kept: the elements
+    # fetched in between (wpe, blocks, ln_f) within --max_reuse_distance
+    wte, wpe = (sizes[n] * (owner[n] is not None) for n in ("transformer.wte.weight",
+                                                            "transformer.wpe.weight"))
+    reused = part - wte <= reuse
+    element = compute_bytes(args)  # bf16: stage 3 computes in (fetches) bf16
+    rank.send("broadcast", "world", A * element * (2 * part - wpe - reused * wte))
+
+
+def zero3_tuning(args, world_size, config):
+    return zero3(args, world_size, config, args.persistence_threshold, args.max_reuse_distance)
+
+
+def tensor_parallel(args, world_size, config, overlap=False):
+    """tp_train.py: a TP rank holds 1/tp of every tensor that shard_dim() splits and the rest whole
+    (LayerNorms, wpe, row-parallel biases); the peer's --sequence_parallel splits wpe too
+    (RowwiseParallel). Per micro-step of b rows, every block has two f (before c_attn and c_fc)
+    and two g (after the c_projs), and the embedding a g and lm_head an f (CopyToTP,
+    ReduceFromTP), each (b, T, C): g's forward in the matmul's dtype, the embedding's and f's
+    backward in fp32."""
+    import tp_train  # its shard_dim: which tensors TP splits
+    tp, D, L = args.tensor_parallel_size, args.data_parallel_size, config.n_layer
+    A = args.grad_accum_steps
+    peer_wpe = args.implementation == "pytorch" and args.sequence_parallel
+    numels = [math.prod(shape) // (tp if tp_train.shard_dim(name) is not None
+                                   or (peer_wpe and name.endswith("wpe.weight")) else 1)
+              for name, shape in parameters(config)]
+    rank = Rank(list(range(world_size)), **adamw(numels))
+    act, sp = compute_bytes(args), args.sequence_parallel
+    bt = args.batch_size // D // A * args.block_size  # b: main()'s micro rows
+    btc = bt * config.n_embd  # a (b, T, C) activation
+    # --activation_checkpointing full: backward runs each block's forward again, up to its last op
+    # that saves a tensor (torch.utils.checkpoint's early stop): the f's, attn's g, and mlp's g
+    # only where a dropout after it saves its mask or (overlap) g's own Function saves its input
+    full = args.activation_checkpointing == "full"
+    f_fwd = 2 * L * (1 + full) + 1  # the blocks', their recomputes', lm_head's
+    g_fwd = 2 * L + full * L * (1 + (config.dropout > 0 or overlap))  # the blocks' only
+    f_bwd = act if overlap else FP32  # overlap's Functions keep the autocast weight: dx its dtype
+    if tp > 1 and overlap and sp:  # ring_all_gather, ring_reduce_scatter: tp - 1 sends of a
+        # (b, T/tp, C) shard for each f and g, forward and backward, all in the matmul's dtype
+        rank.send("send", "tp", A * (tp - 1) * btc // tp * (f_fwd + g_fwd + 4 * L + 1) * act)
+        rank.send("reduce_scatter", "tp", A * FP32 * btc)  # the embedding's g, plain
+        rank.send("all_gather", "tp", A * FP32 * btc // tp)  # and its backward
+    elif tp > 1 and sp:  # f an all-gather forward, a reduce-scatter backward; g the reverse
+        rank.send("all_gather", "tp", A * btc // tp * (f_fwd * FP32 + 2 * L * act + FP32))
+        rank.send("reduce_scatter", "tp", A * btc * (g_fwd * act + FP32 + (2 * L + 1) * FP32))
+    elif tp > 1:  # g an all-reduce forward, f one backward
+        rank.send("all_reduce", "tp", A * btc * (g_fwd * act + FP32 + (2 * L + 1) * f_bwd))
+    if tp > 1 and args.loss_parallel:  # VocabParallelCrossEntropy: the max, then (sum exp, z_t)
+        rank.send("all_reduce", "tp", A * 3 * FP32 * bt)
+    elif tp > 1:  # GatherFromVocab: this rank's (b, T, V/tp) logits
+        rank.send("all_gather", "tp", A * act * bt * config.vocab_size // tp)
+    if tp > 1 and sp:  # forward_backward(sync): the replicated tensors' partial gradients
+        replicated = [math.prod(s) for n, s in parameters(config) if tp_train.shard_dim(n) is None]
+        rank.send("all_reduce", "tp", FP32 * sum(replicated))
+    if D > 1:  # sum_over_dp: every local gradient, once a step
+        rank.send("all_reduce", "dp", FP32 * sum(numels))
+    send(rank, "all_reduce", "tp", tp, FP32)  # clip_grad_norm_: the shards' squares
+    return [rank]
+
+
+def tp_overlap(args, world_size, config):
+    """tp_overlap_train.py: tp_train.py's shards; --tp_overlap (on) fuses f and g with their
+    matmuls: without SP the same all-reduces (g's in pieces), with SP rings of sends in place of
+    the collectives (OverlappedColumnParallel, OverlappedRowParallel)."""
+    return tensor_parallel(args, world_size, config, overlap=args.tp_overlap)
+
+
+def context_parallel(args, world_size, config):
+    """cp_train.py: every rank holds the whole model (as ddp_train.py; the peer's torch DDP too).
+    Per layer per micro-step its attention sends this rank's K,V (kv = 2bTC/cp numbers, the
+    matmul's dtype) as the docstring's table says, each dK,dV in fp32; --activation_checkpointing
+    (full, or selective: attend) sends the forward's again, up to its last op that saves one."""
+    numels = [math.prod(shape) for _, shape in parameters(config)]
+    rank = Rank(list(range(world_size)), **adamw(numels))
+    cp, A, L = args.context_parallel_size, args.grad_accum_steps, config.n_layer
+    b = args.batch_size // (world_size // cp) // A  # main()'s micro rows
+    kv = 2 * b * args.block_size * config.n_embd // cp
+    act, again = compute_bytes(args), args.activation_checkpointing != "none"
+    if cp > 1 and args.cp_mode == "ring":  # RingAttention: cp - 1 sends of [K; V] in forward and
+        # in backward, and cp of each block's dK,dV accumulator
+        rank.send("send", "cp", A * L * kv * ((cp - 1) * act * (2 + again) + cp * FP32))
+    elif cp > 1 and args.cp_mode == "allgather":  # AllGatherAttention: gathered in forward and
+        # again in backward; every block's dK,dV reduce-scattered
+        rank.send("all_gather", "cp", A * L * kv * act * (2 + again))
+        rank.send("reduce_scatter", "cp", A * L * cp * kv * FP32)
+    elif cp > 1:  # ulysses_attention: q,k,v (3kv/2) to head shards, the output (kv/2) back, and
+        # the same in backward; selective's recompute stops before the output's (it saves nothing)
+        selective = args.activation_checkpointing == "selective"
+        rank.send("all_to_all", "cp", A * L * kv // 2 * act * (8 + again * (4 - selective)))
+    if world_size > 1:  # GradientBuckets.all_reduce: every gradient over all D x cp ranks
+        rank.send("all_reduce", "world", FP32 * sum(numels))
+    return [rank]
+
+
+def stage_numels(config, args, stage, n_stages):
+    """The sizes of the GPT tensors pp_train.py's Stage builds for global `stage`: its blocks
+    (--stage_layers' share), wte and wpe on the first stage, ln_f on the last (lm_head: pipeline's
+    head_rows)."""
+    first = list(itertools.accumulate(args.stage_layers, initial=0))
+    held = tuple(f"transformer.h.{i}." for i in range(first[stage], first[stage + 1]))
+    held += ("transformer.wte.", "transformer.wpe.") if stage == 0 else ()
+    held += ("transformer.ln_f.",) if stage == n_stages - 1 else ()
+    return [math.prod(shape) for name, shape in parameters(config) if name.startswith(held)]
+
+
+def pipeline(args, world_size, config, script, head_rows, v=(), vp=()):
+    """What a pipeline script's ranks hold and send, from the script's own layout and schedule
+    functions (stage_index, schedule_actions, timetable, p2p_program; v: pp_zb_train.py's v_shape,
+    vp: pp_vocab_train.py's vocab_parallel). head_rows(stage, chunk): the rows of the stage's own
+    lm_head copy of wte (0: none, or tied to wte)."""
+    p, V, C, M = world_size, args.virtual_stages, config.n_embd, args.n_microbatches
+    every = [script.schedule_actions(args.schedule, r, p, M, V, *vp) for r in range(p)]
+    table = script.timetable(every, p * V, *v)  # Pipeline.__init__'s: every rank's, one clock
+    rows = args.batch_size // args.grad_accum_steps // M  # a micro-batch's
+    ranks = []
+    for r in range(p):
+        numels = []
+        for chunk in range(V):
+            stage = script.stage_index(r, chunk, p, *v)
+            numels += stage_numels(config, args, stage, p * V)
+            numels += [head_rows(stage, chunk) * C] if head_rows(stage, chunk) else []
+        rank = Rank([r], **adamw(numels))
+        rank.bubble = table[r].count(None) / len(table[r])  # its idle steps of the timetable
+        program = script.p2p_program(table, r, p * V, *v)
+        sends = sum(is_send for _, ops in program for _, is_send, _ in ops)
+        if sends:  # Pipeline.run: each message a micro-batch's (rows, T, C) fp32, every micro-step
+            nbytes = FP32 * rows * args.block_size * C
+            rank.send("send", "pp", args.grad_accum_steps * sends * nbytes)
+        if p > 1:  # Pipeline.clip_grad_norm_: the sum of squares, a 4-byte scalar over all ranks
+            rank.send("all_reduce", "world", FP32)
+        ranks.append(rank)
+    return ranks
+
+
+def tied(rank, config, rows):
+    """sum_tied_gradient (all three scripts): rank 0's wte gradient rows and a rank's copy of them
+    are summed, 4*rows*C bytes from each of the two, once a step (sync: the last micro-step)."""
+    rank.send("all_reduce", "tied", FP32 * rows * config.n_embd)
+
+
+def pp(args, world_size, config, script=None, v=()):
+    """pp_train.py: rank r runs stages r, r+p, ... (stage_index); the last stage holds a copy of the
+    tied wte as lm_head, unless it is also the first (one process: one tensor); per micro-batch an
+    activation forward and its gradient back between neighbouring stages."""
+    import pp_train
+    script = script or pp_train
+    last = world_size * args.virtual_stages - 1
+    ranks = pipeline(args, world_size, config, script,
+                     lambda stage, chunk: config.vocab_size * (stage == last and stage > 0), v)
+    loss_rank = script.stage_rank(last, world_size, *v)
+    if loss_rank != 0:  # rank 0's wte and the last stage's copy
+        tied(ranks[0], config, config.vocab_size)
+        tied(ranks[loss_rank], config, config.vocab_size)
+    return ranks
+
+
+def pp_zb(args, world_size, config):
+    """pp_zb_train.py: pp_train.py's layout, or zbv's V (rank r: stages r and 2p-1-r), where rank 0
+    holds wte and the lm_head copy and sums their gradients locally; W actions send nothing."""
+    import pp_zb_train
+    return pp(args, world_size, config, pp_zb_train, (args.schedule == "zbv",))
+
+
+def pp_vocab(args, world_size, config):
+    """pp_vocab_train.py: with --vocab_parallel every rank's first chunk holds vocab/p rows of the
+    lm_head copy (rank 0's too: untied), and every micro-batch adds a vocabulary pass L, on every
+    rank (vocab_pass); without it, pp_train.py's."""
+    import pp_vocab_train
+    if not args.vocab_parallel:
+        return pp(args, world_size, config, pp_vocab_train)
+    p, vocab, C, M = world_size, config.vocab_size, config.n_embd, args.n_microbatches
+    ranks = pipeline(args, p, config, pp_vocab_train,
+                     lambda stage, chunk: vocab // p * (chunk == 0), vp=(True,))
+    for r in range(1, p):  # sum_tied_gradient: rank 0's wte rows of rank r and r's copy of them
+        tied(ranks[0], config, vocab // p)
+        tied(ranks[r], config, vocab // p)
+    loss_rank = pp_vocab_train.stage_rank(p * args.virtual_stages - 1, p)
+    N = args.batch_size // args.grad_accum_steps // M * args.block_size  # a micro-batch's tokens
+    passes = M * args.grad_accum_steps  # vocabulary passes a step
+    for r, rank in enumerate(ranks if p > 1 else []):
+        if r == loss_rank:  # Pipeline.run's L: the last stage's output h (N, C) fp32 to every rank
+            rank.send("broadcast", "vocab", passes * FP32 * N * C)
+        # VocabParallelCrossEntropy: the max (N) and the sums of exp and target logits (2N), fp32
+        rank.send("all_reduce", "vocab", passes * FP32 * 3 * N)
+        rank.send("reduce", "vocab", passes * FP32 * N * C)  # vocab_pass: each rank's part of dh
+    return ranks
+
+
+# ---- ep_train.py ---------------------------------------------------------------------------------
+
+def ep(args, world_size, config):
+    """ep_train.py: the Pd non-expert numbers on every rank, E/EP experts of each layer in stacked
+    tensors (one a projection's weight or bias), 16 bytes a number (its docstring). Per step, per
+    MoE layer and micro-step, the counts' all-to-all (8E bytes) and the rows' (balanced routing:
+    N*k rows of C values out and as many back, forward and again in backward; a real step's rows
+    differ by rank, their sum over the EP group is this one's); the dense gradients over all
+    ranks, the expert gradients over each shard's replicas, the norm's 4 bytes over the EP group.
+    --implementation pytorch (peers/torch_ep.py): torch DDP, every expert on every rank."""
+    replicas = args.data_parallel_size
+    ep_size = world_size // replicas
+    named = [(name, math.prod(shape)) for name, shape in parameters(config)]
+    dense = [numel for name, numel in named if ".experts." not in name]
+    rank = Rank(list(range(world_size)))
+    if args.implementation == "pytorch":  # DDP's buckets: 4 bytes a parameter of the whole model
+        vars(rank).update(adamw(numel for _, numel in named))
+        send(rank, "all_reduce", "world", world_size, FP32 * sum(numel for _, numel in named))
+        return [rank]
+    stacked = {}  # "transformer.h.0.mlp" + "c_fc.weight" -> its E experts' numbers, then E/EP's
+    for name, numel in named:
+        layer, expert, tensor = name.partition(".experts.")
+        if expert:  # tensor: "3.c_fc.weight", expert 3's
+            key = layer + tensor.split(".", 1)[1]
+            stacked[key] = stacked.get(key, 0) + numel
+    stacked = {key: numel // ep_size for key, numel in stacked.items()}
+    vars(rank).update(adamw(dense + list(stacked.values())))
+    A, C, E, k = args.grad_accum_steps, config.n_embd, config.n_experts, config.top_k
+    N = args.batch_size // world_size // A * args.block_size  # tokens a micro-step (main's micro)
+    rows = N * k * C * compute_bytes(args)  # the N*k slots' rows (send in ExpertParallel)
+    # forward: out and back (2 rows); backward: both again (AllToAll.backward); full: the
+    # recompute's forward again, its counts kept (ExpertParallel.kept: no second counts' call)
+    calls = 4 + 2 * (args.activation_checkpointing == "full")
+    send(rank, "all_to_all", "ep", ep_size, config.n_layer * A * (8 * E + calls * rows))
+    send(rank, "all_reduce", "world", world_size, FP32 * sum(dense))  # GradientBuckets
+    send(rank, "all_reduce", "replica", replicas, FP32 * sum(stacked.values()))  # finish_backward
+    send(rank, "all_reduce", "ep", ep_size, FP32)  # clip_grad_norm_: the experts' squares
+    return [rank]
+
+
+# ---- hybrid_train.py -----------------------------------------------------------------------------
+
+def hybrid_stage(config, args, stage):
+    """[(name, numel on a rank)] of pipeline stage `stage` (StageGPT): its blocks, wte and wpe on
+    the first, ln_f on the last, the TP-split ones (hybrid_train.shard_dim) 1/tp of them, and on
+    the last of pp > 1 the head's copy of wte's vocab/tp rows. The peer with SP also splits wpe's
+    positions (peers/torch_hybrid.py's plan: RowwiseParallel on wpe)."""
+    from hybrid_train import WTE_NAME, shard_dim
+    pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
+    first, last, per_stage = stage == 0, stage == pp - 1, config.n_layer // pp
+    split_wpe = args.implementation == "pytorch" and args.sequence_parallel
+    held = []
+    for name, shape in parameters(config):
+        if name.startswith("transformer.h."):
+            on = int(name.split(".")[2]) // per_stage == stage
+        else:
+            on = first if name.startswith(("transformer.wte", "transformer.wpe")) else last
+        split = shard_dim(name) is not None or (split_wpe and "wpe" in name)
+        if on:
+            held.append((name, math.prod(shape) // (tp if split else 1)))
+    if last and pp > 1:
+        held.append(("lm_head.weight", math.prod(dict(parameters(config))[WTE_NAME]) // tp))
+    return held
+
+
+def hybrid(args, world_size, config):
+    """hybrid_train.py: each stage's ranks alike (every dp, cp, tp place), 16 bytes a number they
+    hold. Per step, per axis, the bytes of the collectives its docstring lists, with each one's
+    dtype: the matmuls' outputs (g's forward, the ring's K, V) in the compute dtype, the rest fp32.
+    --implementation pytorch: the same state; of its traffic only the hand-written gradient sums
+    (TorchHybrid.finish_gradients) and the norm's: TP's and PP's are DTensor's and pipelining's."""
+    from hybrid_train import rank_grid, shard_dim
+    from pp_train import schedule_actions, timetable
+    dp, pp = args.data_parallel_size, args.pipeline_parallel_size
+    cp, tp, sp = args.context_parallel_size, args.tensor_parallel_size, args.sequence_parallel
+    A, M, C, V = args.grad_accum_steps, args.n_microbatches, config.n_embd, config.vocab_size
+    b, Tc, L = args.batch_size // (dp * A * M), args.block_size // cp, config.n_layer // pp
+    act, s = b * Tc * C, compute_bytes(args)  # one activation at my CP positions, whole over TP
+    mb = A * M  # micro-batches a step
+    full, again = args.activation_checkpointing == "full", args.activation_checkpointing != "none"
+    # Hybrid.one_f_one_b is pp_train.py's 1F1B (warm-up: the stages after this one): its timetable
+    table = timetable([schedule_actions("1f1b", stage, pp, M) for stage in range(pp)], pp)
+    ranks = []
+    for stage in range(pp):
+        first, last = stage == 0, stage == pp - 1
+        held = hybrid_stage(config, args, stage)
+        rank = Rank(rank_grid(dp, pp, cp, tp)[:, stage].flatten().tolist(),
+                    **adamw(numel for _, numel in held))
+        if pp > 1:  # the idle steps of its row of the timetable
+            rank.bubble = table[stage].count(None) / len(table[stage])
+        local = FP32 * sum(numel for _, numel in held)
+        send(rank, "all_reduce", "ppxtp", pp * tp, FP32)  # clip_grad_norm_'s sum of squares
+        if pp > 1 and (first or last):  # finish_gradients: the tied wte/lm_head, vocab/tp*C
+            rank.send("all_reduce", "tied", FP32 * V // tp * C)  # the pp ends' tied_group
+        if args.implementation == "pytorch":  # one flat all-reduce over dp (cp is 1 there)
+            send(rank, "all_reduce", "dp", dp, local)
+            ranks.append(rank)
+            continue
+        send(rank, "all_reduce", "dpxcp", dp * cp, local)  # forward_backward, the last micro-step
+        # tp, per block and micro-batch: 2 g's forward (s), 2 f's backward (fp32: the LayerNorms'
+        # outputs); the embedding's g, the head's f (fp32). full: the recompute runs the block up
+        # to its last saved tensor (torch.utils.checkpoint's early stop), the attention's g only
+        n_g, n_f, fp32 = L * (2 + full), 2 * L, first + last
+        if sp:  # f: all-gather forward, reduce-scatter backward; g: the other way; full: f again
+            send(rank, "all_gather", "tp", tp, mb * act // tp * (
+                FP32 * (n_f * (1 + full) + fp32) + s * 2 * L))
+            send(rank, "reduce_scatter", "tp", tp, mb * act * (FP32 * (n_f + fp32) + s * n_g))
+            replicated = sum(n for name, n in held if shard_dim(name) is None)
+            send(rank, "all_reduce", "tp", tp, FP32 * replicated)  # finish_gradients: SP's sums
+        else:
+            send(rank, "all_reduce", "tp", tp, mb * act * (FP32 * (n_f + fp32) + s * n_g))
+        # VocabParallelCrossEntropy: b*T/cp maxima, then 2b*T/cp sums (fp32)
+        send(rank, "all_reduce", "tp", tp, last * mb * 3 * b * Tc * FP32)
+        # cp, per block and micro-batch: cp-1 K, V hops forward (again in a recompute), as many
+        # backward, and cp hops of the fp32 dK, dV accumulators (RingAttention)
+        kv = 2 * act // tp
+        send(rank, "send", "cp", cp, mb * L * kv * ((cp - 1) * s * (2 + again) + cp * FP32))
+        # pp: the stage's output forward, its input's gradient back, fp32 (Hybrid.p2p); SP: /tp
+        message = b * (Tc // tp if sp else Tc) * C * FP32
+        send(rank, "send", "pp", pp, mb * (2 - first - last) * message)
+        ranks.append(rank)
+    return ranks
+
+
+PLANS = {"ddp_train.py": ddp, "fsdp_train.py": fsdp, "zero3_train.py": zero3,
+         "zero3_tuning_train.py": zero3_tuning, "tp_train.py": tensor_parallel,
+         "tp_overlap_train.py": tp_overlap, "cp_train.py": context_parallel, "pp_train.py": pp,
+         "pp_vocab_train.py": pp_vocab, "pp_zb_train.py": pp_zb, "ep_train.py": ep,
+         "hybrid_train.py": hybrid}
+
+
+# ---- the command line ----------------------------------------------------------------------------
+
+def script_args(script, argv, world_size):
+    """The script's own parse and checks (its add_<name>_flags and check_<name>_args, named for the
+    strategy it varies: zero3_tuning's are zero3's): its defaults, and its one line on bad input."""
+    name, module = script.split("_")[0], importlib.import_module(script[:-3])
+    args = parse_args(name, getattr(module, f"add_{name}_flags"), argv)
+    getattr(module, f"check_{name}_args")(args, world_size)
+    return args
+
+
+def plan(script, world_size, argv):
+    """Each rank's figures (a list of Rank), for `script` run on world_size ranks with argv."""
+    args = script_args(script, argv, world_size)
+    config = gpt_config(args)
+    ranks = PLANS[script](args, world_size, config)
+    for rank in ranks:
+        if rank.flops is None:
+            rank.flops = step_flops(config, args, world_size)
+    return ranks
+
+
+def per_rank(ranks, world_size, key):
+    """One figure of every rank, in rank order."""
+    values = [None] * world_size
+    for rank in ranks:
+        for r in rank.ranks:
+            values[r] = getattr(rank, key)
+    return values
+
+
+def human(nbytes):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:,.1f} {unit}" if unit != "B" else f"{nbytes:,} B"
+        nbytes /= 1024
+
+
+def describe(script, ranks, nproc_per_node, nnodes):
+    lines = [f"{script} on {nnodes} x {nproc_per_node} ranks"]
+    for rank in ranks:
+        shown = rank.ranks if len(rank.ranks) <= 4 else f"{rank.ranks[0]}..{rank.ranks[-1]}"
+        lines.append(f"ranks {shown}:")
+        lines.append(f"  model state    {human(rank.model_state)} (params {human(rank.params)}, "
+                     f"grads {human(rank.grads)}, AdamW {human(rank.optimizer)})")
+        for key, nbytes in sorted(rank.comm.items()):
+            lines.append(f"  {key:28s} {human(nbytes)} a step")
+        if rank.bubble is not None:
+            lines.append(f"  bubble         {100 * rank.bubble:.1f}% of the step idle")
+        model, hardware = rank.flops
+        lines.append(f"  FLOPs          {model:.3e} a step (model), {hardware:.3e} (hardware)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python plan.py", description="What a script costs per "
+                                "rank; the script's own flags follow")
+    p.add_argument("script", choices=list(PLANS))
+    p.add_argument("--nproc_per_node", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="the figures as JSON")
+    argv = sys.argv[1:] if argv is None else argv
+    at = next((i + 1 for i, arg in enumerate(argv) if arg.endswith("_train.py")), len(argv))
+    ours, theirs = p.parse_args(argv[:at]), argv[at:]  # plan.py's flags, then the script's
+    world_size = ours.nproc_per_node * ours.nnodes
+    ranks = plan(ours.script, world_size, theirs)
+    if ours.json:
+        print(json.dumps([asdict(r) | {"model_state": r.model_state} for r in ranks], indent=1))
+    else:
+        print(describe(ours.script, ranks, ours.nproc_per_node, ours.nnodes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
