@@ -304,7 +304,8 @@ class CPAttention(CausalSelfAttention):
     def attend(self, q, k, v):
         """The attention core over all T positions. Recomputed (--activation_checkpointing), it
         communicates again: the ring passes K, V round once more in backward, before its backward
-        ring; allgather gathers them again; Ulysses repeats its two all-to-alls."""
+        ring; allgather gathers them again; Ulysses repeats its q, k, v all-to-all, and under full
+        its output's too (selective's recompute stops at the last op that saves a tensor)."""
         if self.mode == "ulysses":
             dropout_p = self.dropout if self.training else 0.0
             return ulysses_attention(q, k, v, self.cp, dropout_p)
