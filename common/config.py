@@ -134,7 +134,9 @@ def parse_args(strategy, add_flags=None, argv=None):
     r.add_argument("--log_interval", type=int, default=10, help="print every N steps")
     r.add_argument("--out_dir", default=os.path.join("out", script_name(strategy)),
                    help="out/<the script's name less _train.py>: every script its own")
-    r.add_argument("--dataset", default="shakespeare", help="data/<dataset>/{train,val}.bin")
+    r.add_argument("--dataset", default="shakespeare",
+                   help="data/<dataset>/ (its train and val tokens); a value with a / in it: the "
+                        "path of a folder, e.g. of llm.c's .bin shards")
     r.add_argument("--data_file", default=None, help="tokenise this text file into data/<dataset>/")
     r.add_argument("--implementation", choices=["custom", "pytorch"], default="custom",
                    help="custom: the hand-written strategy; pytorch: PyTorch's own, same loop")
