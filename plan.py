@@ -63,9 +63,8 @@ def send(rank, collective, group, size, nbytes):
 
 
 def compute_bytes(args):
-    """Bytes a number of a matmul's output: bf16 under --dtype bfloat16's autocast
-    (common/distributed.py), else fp32; the LayerNorms' and embeddings' outputs, and gradients
-    into fp32 tensors, stay fp32."""
+    """Bytes a number of a matmul's output under autocast (common/distributed.py): bf16 or fp32;
+    LayerNorms' and embeddings' outputs, and gradients into fp32 tensors, stay fp32."""
     return 2 if args.dtype == "bfloat16" else FP32
 
 
@@ -76,10 +75,9 @@ def parameters(config):
 
 def layer_activations(s, b, h, a, mode, dropout, t=1, sp=False):
     """Bytes one block keeps for backward, fp32 on the CPU: s positions x b rows, h wide, a heads,
-    TP over t ranks (sp: with sequence parallelism). Korthikanti et al. 2022 count 2-byte
-    activations and 1-byte masks; here every element is 4 bytes (CPU's dropout keeps a float mask)
-    and each LayerNorm also keeps its mean and 1/std (2 x 4 bytes a position).
-    tests/test_recompute.py derives each term from common/model.py's ops and measures it."""
+    TP over t ranks (sp: SP). Korthikanti et al. 2022's terms, with every element 4 bytes (CPU's
+    dropout masks too) and each LayerNorm's mean and 1/std (8 bytes a position) added; derived
+    and measured in tests/test_recompute.py."""
     sbh, sb = s * b * h, s * b
     if mode == "full":  # the block's input alone (SP: its sequence shard)
         return 4 * sbh // (t if sp else 1)
@@ -99,9 +97,8 @@ def layer_activations(s, b, h, a, mode, dropout, t=1, sp=False):
 
 
 def step_flops(config, args, world_size):
-    """The step's FLOPs on each rank if the work splits evenly: the model's, as MFU counts them
-    (common.metrics.flops_per_token, 6 a parameter and attention's), and the hardware's, which
-    adds the recomputed forward (2 of the 6) of --activation_checkpointing full's blocks."""
+    """The step's FLOPs a rank, split evenly: the model's, as MFU counts them (flops_per_token), and
+    the hardware's, with the recomputed forward (2 of the 6) of --activation_checkpointing full."""
     tokens = args.batch_size * args.block_size
     model = flops_per_token(config) * tokens / world_size
     recompute = 1 + (args.activation_checkpointing == "full") / 3
@@ -140,8 +137,7 @@ def dim0_shard(shape, world_size, rank):
 
 
 def fsdp_units(config):
-    """fsdp_train.py's FSDP units (FullyShardedGPT): each block's shapes, and the root's last (wte,
-    wpe, ln_f; lm_head is wte)."""
+    """fsdp_train.py's units: each block's shapes, then the root's (wte, wpe, ln_f)."""
     units = {}
     for name, shape in parameters(config):
         units.setdefault(name.split(".")[2] if ".h." in name else "root", []).append(shape)
@@ -149,13 +145,10 @@ def fsdp_units(config):
 
 
 def sharded(args, world_size, config, reshard):
-    """fsdp_train.py, and the FSDP2 peers of it and of zero3_train.py --stage 3. Per unit, every
-    rank holds (custom) FlatParamUnit's fp32 local_shard of ceil(numel/N) values, padding included,
-    its grad and AdamW state; or (FSDP2) each tensor's dim-0 rows. Per micro-step (fsdp_train.py
-    FullyShardedGPT's hooks) each unit's shard is all-gathered before forward and each block's
-    again before backward when resharded (the root stays; the recompute reuses the gather); each
-    unit's fp32 flat gradient, N shards, is reduce-scattered. The peers' communication: FSDP2's,
-    by the same rule on its padded dim-0 shards (torch's own; not measured here)."""
+    """fsdp_train.py, and the FSDP2 peers of it and of zero3_train.py --stage 3: per unit, a rank
+    holds FlatParamUnit's local_shard of ceil(numel/N) values (FSDP2: each tensor's dim-0 rows).
+    Per micro-step each unit is all-gathered before forward, each block again before backward
+    when resharded, and its fp32 gradient reduce-scattered (FSDP2's by the same rule)."""
     N, A, custom = world_size, args.grad_accum_steps, args.implementation == "custom"
     units = fsdp_units(config)
     gather = compute_bytes(args)  # FlatParamUnit.unshard: in the compute dtype
@@ -182,9 +175,8 @@ def fsdp(args, world_size, config):
 
 
 def zero_redundancy(shapes, world_size):
-    """torch's ZeroRedundancyOptimizer._partition_parameters: per param group (common.model's
-    configure_optimizer: >= 2 dims decayed, then the others), largest tensor first onto the
-    least-loaded rank (the lowest on ties), the loads carried across groups: {name: owner}."""
+    """torch's ZeroRedundancyOptimizer._partition_parameters: per param group (decayed, then not),
+    the largest tensor first onto the least-loaded rank (the lowest on ties): {name: owner}."""
     owner, load = {}, [0] * world_size
     for decayed in (True, False):
         group = [name for name, shape in shapes.items() if (len(shape) >= 2) == decayed]
@@ -195,10 +187,9 @@ def zero_redundancy(shapes, world_size):
 
 
 def zero3(args, world_size, config, threshold=0, reuse=math.inf):
-    """zero3_train.py (threshold, reuse: zero3_tuning_train.py's knobs). partition() gives each
-    tensor whole to one rank (None: persistent, kept on every rank); a rank keeps the fp32 tensor,
-    gradient and AdamW state of what it owns and the persistent ones (OwnedAdamW, stage 3's
-    AdamW), plus every parameter (stages 1, 2: 4P) and every gradient (stage 1: 4P)."""
+    """zero3_train.py (threshold, reuse: zero3_tuning_train.py's): partition() gives each tensor to
+    one rank (None: persistent, on every rank); a rank keeps what it owns and the persistent ones,
+    plus every parameter (stages 1, 2) and every gradient (stage 1)."""
     from zero3_tuning_train import partition  # zero3_train.py's, with --persistence_threshold
     N, A, stage = world_size, args.grad_accum_steps, args.stage
     if args.implementation == "pytorch" and stage == 3:  # FSDP2, blocks resharded
@@ -238,9 +229,8 @@ def comm(rank, args, stage, A, sizes, owner, P, part, reuse):
         rank.send("broadcast", "world", FP32 * part)
         return
     # ParamFetcher, per micro-step: every partitioned tensor before forward and backward, but wpe
-    # (a lookup's backward reads no weight) and the tied wte, whose head's forward and backward
-    # share one fetch, and whose embedding's fetch also serves the head when kept: the elements
-    # fetched in between (wpe, blocks, ln_f) within --max_reuse_distance
+    # (a lookup's backward reads no weight) and the tied wte: one fetch for the head's forward and
+    # backward, which the embedding's serves too when the elements between are within the reuse
     wte, wpe = (sizes[n] * (owner[n] is not None) for n in ("transformer.wte.weight",
                                                             "transformer.wpe.weight"))
     reused = part - wte <= reuse
@@ -253,12 +243,9 @@ def zero3_tuning(args, world_size, config):
 
 
 def tensor_parallel(args, world_size, config, overlap=False):
-    """tp_train.py: a TP rank holds 1/tp of every tensor that shard_dim() splits and the rest whole
-    (LayerNorms, wpe, row-parallel biases); the peer's --sequence_parallel splits wpe too
-    (RowwiseParallel). Per micro-step of b rows, every block has two f (before c_attn and c_fc)
-    and two g (after the c_projs), and the embedding a g and lm_head an f (CopyToTP,
-    ReduceFromTP), each (b, T, C): g's forward in the matmul's dtype, the embedding's and f's
-    backward in fp32."""
+    """tp_train.py: a TP rank holds 1/tp of every tensor shard_dim() splits, the rest whole (the
+    peer's --sequence_parallel splits wpe too). Per micro-step every block has two f and two g,
+    the embedding a g and lm_head an f (CopyToTP, ReduceFromTP), each (b, T, C)."""
     import tp_train  # its shard_dim: which tensors TP splits
     tp, D, L = args.tensor_parallel_size, args.data_parallel_size, config.n_layer
     A = args.grad_accum_steps
@@ -270,9 +257,8 @@ def tensor_parallel(args, world_size, config, overlap=False):
     act, sp = compute_bytes(args), args.sequence_parallel
     bt = args.batch_size // D // A * args.block_size  # b: main()'s micro rows
     btc = bt * config.n_embd  # a (b, T, C) activation
-    # --activation_checkpointing full: backward runs each block's forward again, up to its last op
-    # that saves a tensor (torch.utils.checkpoint's early stop): the f's, attn's g, and mlp's g
-    # only where a dropout after it saves its mask or (overlap) g's own Function saves its input
+    # full: backward reruns each block's forward up to its last op that saves a tensor: the f's,
+    # attn's g, mlp's g only where a dropout saves its mask or (overlap) g's Function its input
     full = args.activation_checkpointing == "full"
     f_fwd = 2 * L * (1 + full) + 1  # the blocks', their recomputes', lm_head's
     g_fwd = 2 * L + full * L * (1 + (config.dropout > 0 or overlap))  # the blocks' only
@@ -301,17 +287,15 @@ def tensor_parallel(args, world_size, config, overlap=False):
 
 
 def tp_overlap(args, world_size, config):
-    """tp_overlap_train.py: tp_train.py's shards; --tp_overlap (on) fuses f and g with their
-    matmuls: without SP the same all-reduces (g's in pieces), with SP rings of sends in place of
-    the collectives (OverlappedColumnParallel, OverlappedRowParallel)."""
+    """tp_overlap_train.py: tp_train.py's; --tp_overlap fuses f and g with their matmuls (with SP:
+    rings of sends in place of the collectives)."""
     return tensor_parallel(args, world_size, config, overlap=args.tp_overlap)
 
 
 def context_parallel(args, world_size, config):
-    """cp_train.py: every rank holds the whole model (as ddp_train.py; the peer's torch DDP too).
-    Per layer per micro-step its attention sends this rank's K,V (kv = 2bTC/cp numbers, the
-    matmul's dtype) as the docstring's table says, each dK,dV in fp32; --activation_checkpointing
-    (full, or selective: attend) sends the forward's again, up to its last op that saves one."""
+    """cp_train.py: the whole model on every rank. Per layer and micro-step the attention sends this
+    rank's K, V (kv = 2bTC/cp numbers) as its docstring's table says, dK, dV in fp32; a recompute
+    sends the forward's again, up to its last op that saves a tensor."""
     numels = [math.prod(shape) for _, shape in parameters(config)]
     rank = Rank(list(range(world_size)), **adamw(numels))
     cp, A, L = args.context_parallel_size, args.grad_accum_steps, config.n_layer
@@ -335,9 +319,8 @@ def context_parallel(args, world_size, config):
 
 
 def stage_numels(config, args, stage, n_stages):
-    """The sizes of the GPT tensors pp_train.py's Stage builds for global `stage`: its blocks
-    (--stage_layers' share), wte and wpe on the first stage, ln_f on the last (lm_head: pipeline's
-    head_rows)."""
+    """The sizes of the tensors pp_train.py's Stage builds for global `stage`: its blocks, wte and
+    wpe on the first stage, ln_f on the last (lm_head: pipeline's head_rows)."""
     first = list(itertools.accumulate(args.stage_layers, initial=0))
     held = tuple(f"transformer.h.{i}." for i in range(first[stage], first[stage + 1]))
     held += ("transformer.wte.", "transformer.wpe.") if stage == 0 else ()
@@ -346,10 +329,9 @@ def stage_numels(config, args, stage, n_stages):
 
 
 def pipeline(args, world_size, config, script, head_rows, v=(), vp=()):
-    """What a pipeline script's ranks hold and send, from the script's own layout and schedule
-    functions (stage_index, schedule_actions, timetable, p2p_program; v: pp_zb_train.py's v_shape,
-    vp: pp_vocab_train.py's vocab_parallel). head_rows(stage, chunk): the rows of the stage's own
-    lm_head copy of wte (0: none, or tied to wte)."""
+    """What a pipeline script's ranks hold and send, from its own stage_index, schedule_actions,
+    timetable and p2p_program (v: pp_zb's v_shape, vp: pp_vocab's vocab_parallel); head_rows(stage,
+    chunk): the rows of the stage's own lm_head copy (0: none, or tied to wte)."""
     p, V, C, M = world_size, args.virtual_stages, config.n_embd, args.n_microbatches
     every = [script.schedule_actions(args.schedule, r, p, M, V, *vp) for r in range(p)]
     table = script.timetable(every, p * V, *v)  # Pipeline.__init__'s: every rank's, one clock
@@ -368,8 +350,7 @@ def pipeline(args, world_size, config, script, head_rows, v=(), vp=()):
         if sends:  # Pipeline.run: each message a micro-batch's (rows, T, C) fp32, every micro-step
             nbytes = FP32 * rows * args.block_size * C
             rank.send("send", "pp", args.grad_accum_steps * sends * nbytes)
-        if p > 1:  # Pipeline.clip_grad_norm_: the sum of squares, a 4-byte scalar over all ranks
-            rank.send("all_reduce", "world", FP32)
+        send(rank, "all_reduce", "world", p, FP32)  # clip_grad_norm_: the sum of squares
         ranks.append(rank)
     return ranks
 
@@ -428,16 +409,11 @@ def pp_vocab(args, world_size, config):
     return ranks
 
 
-# ---- ep_train.py ---------------------------------------------------------------------------------
-
 def ep(args, world_size, config):
     """ep_train.py: the Pd non-expert numbers on every rank, E/EP experts of each layer in stacked
-    tensors (one a projection's weight or bias), 16 bytes a number (its docstring). Per step, per
-    MoE layer and micro-step, the counts' all-to-all (8E bytes) and the rows' (balanced routing:
-    N*k rows of C values out and as many back, forward and again in backward; a real step's rows
-    differ by rank, their sum over the EP group is this one's); the dense gradients over all
-    ranks, the expert gradients over each shard's replicas, the norm's 4 bytes over the EP group.
-    --implementation pytorch (peers/torch_ep.py): torch DDP, every expert on every rank."""
+    tensors. Per MoE layer and micro-step, the counts' all-to-all and the rows', at balanced routing
+    (a real step's rows differ by rank; their sum over the EP group is this); then the dense
+    gradients over all ranks, the experts' over each shard's replicas. The peer: torch DDP."""
     replicas = args.data_parallel_size
     ep_size = world_size // replicas
     named = [(name, math.prod(shape)) for name, shape in parameters(config)]
@@ -458,8 +434,7 @@ def ep(args, world_size, config):
     A, C, E, k = args.grad_accum_steps, config.n_embd, config.n_experts, config.top_k
     N = args.batch_size // world_size // A * args.block_size  # tokens a micro-step (main's micro)
     rows = N * k * C * compute_bytes(args)  # the N*k slots' rows (send in ExpertParallel)
-    # forward: out and back (2 rows); backward: both again (AllToAll.backward); full: the
-    # recompute's forward again, its counts kept (ExpertParallel.kept: no second counts' call)
+    # out and back, in forward and backward; full: the recompute's again, its counts kept
     calls = 4 + 2 * (args.activation_checkpointing == "full")
     send(rank, "all_to_all", "ep", ep_size, config.n_layer * A * (8 * E + calls * rows))
     send(rank, "all_reduce", "world", world_size, FP32 * sum(dense))  # GradientBuckets
@@ -468,13 +443,10 @@ def ep(args, world_size, config):
     return [rank]
 
 
-# ---- hybrid_train.py -----------------------------------------------------------------------------
-
 def hybrid_stage(config, args, stage):
-    """[(name, numel on a rank)] of pipeline stage `stage` (StageGPT): its blocks, wte and wpe on
-    the first, ln_f on the last, the TP-split ones (hybrid_train.shard_dim) 1/tp of them, and on
-    the last of pp > 1 the head's copy of wte's vocab/tp rows. The peer with SP also splits wpe's
-    positions (peers/torch_hybrid.py's plan: RowwiseParallel on wpe)."""
+    """[(name, numel on a rank)] of stage `stage` (StageGPT): its blocks, wte and wpe on the first,
+    ln_f on the last, 1/tp of the TP-split ones, the head's copy on the last of pp > 1 (the peer
+    with SP also splits wpe: RowwiseParallel)."""
     from hybrid_train import WTE_NAME, shard_dim
     pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
     first, last, per_stage = stage == 0, stage == pp - 1, config.n_layer // pp
@@ -494,11 +466,9 @@ def hybrid_stage(config, args, stage):
 
 
 def hybrid(args, world_size, config):
-    """hybrid_train.py: each stage's ranks alike (every dp, cp, tp place), 16 bytes a number they
-    hold. Per step, per axis, the bytes of the collectives its docstring lists, with each one's
-    dtype: the matmuls' outputs (g's forward, the ring's K, V) in the compute dtype, the rest fp32.
-    --implementation pytorch: the same state; of its traffic only the hand-written gradient sums
-    (TorchHybrid.finish_gradients) and the norm's: TP's and PP's are DTensor's and pipelining's."""
+    """hybrid_train.py: each stage's ranks alike; per axis, the collectives its docstring lists, the
+    matmuls' outputs (g's forward, the ring's K, V) in the compute dtype, the rest fp32. The peer:
+    the same state; of its traffic, only its hand-written gradient sums and the norm's."""
     from hybrid_train import rank_grid, shard_dim
     from pp_train import schedule_actions, timetable
     dp, pp = args.data_parallel_size, args.pipeline_parallel_size
@@ -527,9 +497,8 @@ def hybrid(args, world_size, config):
             ranks.append(rank)
             continue
         send(rank, "all_reduce", "dpxcp", dp * cp, local)  # forward_backward, the last micro-step
-        # tp, per block and micro-batch: 2 g's forward (s), 2 f's backward (fp32: the LayerNorms'
-        # outputs); the embedding's g, the head's f (fp32). full: the recompute runs the block up
-        # to its last saved tensor (torch.utils.checkpoint's early stop), the attention's g only
+        # tp, per block and micro-batch: 2 g's forward (s), 2 f's backward (fp32), the embedding's g
+        # and the head's f (fp32); full: the recompute reruns the attention's g only (early stop)
         n_g, n_f, fp32 = L * (2 + full), 2 * L, first + last
         if sp:  # f: all-gather forward, reduce-scatter backward; g: the other way; full: f again
             send(rank, "all_gather", "tp", tp, mb * act // tp * (
@@ -541,8 +510,7 @@ def hybrid(args, world_size, config):
             send(rank, "all_reduce", "tp", tp, mb * act * (FP32 * (n_f + fp32) + s * n_g))
         # VocabParallelCrossEntropy: b*T/cp maxima, then 2b*T/cp sums (fp32)
         send(rank, "all_reduce", "tp", tp, last * mb * 3 * b * Tc * FP32)
-        # cp, per block and micro-batch: cp-1 K, V hops forward (again in a recompute), as many
-        # backward, and cp hops of the fp32 dK, dV accumulators (RingAttention)
+        # cp, a block and micro-batch: cp-1 K, V hops forward, backward, recompute; cp of dK, dV
         kv = 2 * act // tp
         send(rank, "send", "cp", cp, mb * L * kv * ((cp - 1) * s * (2 + again) + cp * FP32))
         # pp: the stage's output forward, its input's gradient back, fp32 (Hybrid.p2p); SP: /tp
@@ -583,18 +551,13 @@ def plan(script, world_size, argv):
 
 def per_rank(ranks, world_size, key):
     """One figure of every rank, in rank order."""
-    values = [None] * world_size
-    for rank in ranks:
-        for r in rank.ranks:
-            values[r] = getattr(rank, key)
-    return values
+    by_rank = {r: getattr(rank, key) for rank in ranks for r in rank.ranks}
+    return [by_rank.get(r) for r in range(world_size)]
 
 
 def human(nbytes):
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:,.1f} {unit}" if unit != "B" else f"{nbytes:,} B"
-        nbytes /= 1024
+    unit = min(int(math.log(max(nbytes, 1), 1024)), 3)
+    return f"{nbytes:,} B" if unit == 0 else f"{nbytes / 1024**unit:,.1f} {'KMG'[unit - 1]}iB"
 
 
 def describe(script, ranks, nproc_per_node, nnodes):
