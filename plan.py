@@ -13,6 +13,7 @@ schedule's own timetable; and the FLOPs. Each strategy's formulas sit in one fun
 README's order, each line with where it comes from.
 """
 import argparse
+import functools
 import importlib
 import itertools
 import json
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from common.config import gpt_config, parse_args
 from common.metrics import flops_per_token
-from common.model import GPT
+from common.model import GPT, GPTConfig
 
 FP32 = 4  # bytes: parameters, gradients and AdamW's moments are fp32 in every script
 
@@ -36,15 +37,18 @@ class Rank:
     optimizer: int = 0  # AdamW: exp_avg, exp_avg_sq, and its 0-dim fp32 `step` a tensor
     comm: dict = field(default_factory=dict)  # "collective@group" -> bytes handed per step
     bubble: float = None  # a pipeline's idle share of the step
-    flops: tuple = None  # (model, hardware) per step, this rank's share
+    flops: tuple = None  # (model, hardware) per step, this rank's share: plan() sets it
 
     @property
     def model_state(self):
         return self.params + self.grads + self.optimizer
 
-    def send(self, collective, group, nbytes):
-        key = f"{collective}@{group}"
-        self.comm[key] = self.comm.get(key, 0) + int(nbytes)
+    def send(self, collective, group, nbytes, size=2):
+        """Counts the bytes handed to a collective of `group`, of `size` ranks: a group of one
+        moves nothing (the scripts still call the collective), and is not counted."""
+        if size > 1:
+            key = f"{collective}@{group}"
+            self.comm[key] = self.comm.get(key, 0) + int(nbytes)
 
 
 def adamw(numels):
@@ -55,13 +59,6 @@ def adamw(numels):
                 optimizer=2 * FP32 * sum(numels) + FP32 * len(numels))
 
 
-def send(rank, collective, group, size, nbytes):
-    """rank.send, for a group of `size` ranks: a group of one moves nothing (the scripts still
-    call the collective), and is not counted."""
-    if size > 1:
-        rank.send(collective, group, nbytes)
-
-
 def compute_bytes(args):
     """Bytes a number of a matmul's output under autocast (common/distributed.py): bf16 or fp32;
     LayerNorms' and embeddings' outputs, and gradients into fp32 tensors, stay fp32."""
@@ -69,8 +66,14 @@ def compute_bytes(args):
 
 
 def parameters(config):
-    """(name, shape) of every parameter of the one-process model, the tied embedding once."""
-    return [(name, tuple(p.shape)) for name, p in GPT(config, device="meta").named_parameters()]
+    """(name, shape) of the one-process model's parameters (wte once), built once a model."""
+    return shapes(tuple(vars(config).items()))
+
+
+@functools.lru_cache
+def shapes(fields):
+    model = GPT(GPTConfig(**dict(fields)), device="meta")
+    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
 
 
 def layer_activations(s, b, h, a, mode, dropout, t=1, sp=False):
@@ -113,7 +116,7 @@ def ddp(args, world_size, config):
     same bytes)."""
     numels = [math.prod(shape) for _, shape in parameters(config)]
     rank = Rank(list(range(world_size)), **adamw(numels))
-    send(rank, "all_reduce", "world", world_size, FP32 * sum(numels))
+    rank.send("all_reduce", "world", FP32 * sum(numels), world_size)
     return [rank]
 
 
@@ -280,9 +283,8 @@ def tensor_parallel(args, world_size, config, overlap=False):
     if tp > 1 and sp:  # forward_backward(sync): the replicated tensors' partial gradients
         replicated = [math.prod(s) for n, s in parameters(config) if tp_train.shard_dim(n) is None]
         rank.send("all_reduce", "tp", FP32 * sum(replicated))
-    if D > 1:  # sum_over_dp: every local gradient, once a step
-        rank.send("all_reduce", "dp", FP32 * sum(numels))
-    send(rank, "all_reduce", "tp", tp, FP32)  # clip_grad_norm_: the shards' squares
+    rank.send("all_reduce", "dp", FP32 * sum(numels), D)  # sum_over_dp: every local gradient
+    rank.send("all_reduce", "tp", FP32, tp)  # clip_grad_norm_: the shards' squares
     return [rank]
 
 
@@ -313,8 +315,7 @@ def context_parallel(args, world_size, config):
         # the same in backward; selective's recompute stops before the output's (it saves nothing)
         selective = args.activation_checkpointing == "selective"
         rank.send("all_to_all", "cp", A * L * kv // 2 * act * (8 + again * (4 - selective)))
-    if world_size > 1:  # GradientBuckets.all_reduce: every gradient over all D x cp ranks
-        rank.send("all_reduce", "world", FP32 * sum(numels))
+    rank.send("all_reduce", "world", FP32 * sum(numels), world_size)  # GradientBuckets: D x cp
     return [rank]
 
 
@@ -350,7 +351,7 @@ def pipeline(args, world_size, config, script, head_rows, v=(), vp=()):
         if sends:  # Pipeline.run: each message a micro-batch's (rows, T, C) fp32, every micro-step
             nbytes = FP32 * rows * args.block_size * C
             rank.send("send", "pp", args.grad_accum_steps * sends * nbytes)
-        send(rank, "all_reduce", "world", p, FP32)  # clip_grad_norm_: the sum of squares
+        rank.send("all_reduce", "world", FP32, p)  # clip_grad_norm_: the sum of squares
         ranks.append(rank)
     return ranks
 
@@ -421,7 +422,7 @@ def ep(args, world_size, config):
     rank = Rank(list(range(world_size)))
     if args.implementation == "pytorch":  # DDP's buckets: 4 bytes a parameter of the whole model
         vars(rank).update(adamw(numel for _, numel in named))
-        send(rank, "all_reduce", "world", world_size, FP32 * sum(numel for _, numel in named))
+        rank.send("all_reduce", "world", FP32 * sum(numel for _, numel in named), world_size)
         return [rank]
     stacked = {}  # "transformer.h.0.mlp" + "c_fc.weight" -> its E experts' numbers, then E/EP's
     for name, numel in named:
@@ -436,10 +437,10 @@ def ep(args, world_size, config):
     rows = N * k * C * compute_bytes(args)  # the N*k slots' rows (send in ExpertParallel)
     # out and back, in forward and backward; full: the recompute's again, its counts kept
     calls = 4 + 2 * (args.activation_checkpointing == "full")
-    send(rank, "all_to_all", "ep", ep_size, config.n_layer * A * (8 * E + calls * rows))
-    send(rank, "all_reduce", "world", world_size, FP32 * sum(dense))  # GradientBuckets
-    send(rank, "all_reduce", "replica", replicas, FP32 * sum(stacked.values()))  # finish_backward
-    send(rank, "all_reduce", "ep", ep_size, FP32)  # clip_grad_norm_: the experts' squares
+    rank.send("all_to_all", "ep", config.n_layer * A * (8 * E + calls * rows), ep_size)
+    rank.send("all_reduce", "world", FP32 * sum(dense), world_size)  # GradientBuckets
+    rank.send("all_reduce", "replica", FP32 * sum(stacked.values()), replicas)  # finish_backward
+    rank.send("all_reduce", "ep", FP32, ep_size)  # clip_grad_norm_: the experts' squares
     return [rank]
 
 
@@ -489,33 +490,33 @@ def hybrid(args, world_size, config):
         if pp > 1:  # the idle steps of its row of the timetable
             rank.bubble = table[stage].count(None) / len(table[stage])
         local = FP32 * sum(numel for _, numel in held)
-        send(rank, "all_reduce", "ppxtp", pp * tp, FP32)  # clip_grad_norm_'s sum of squares
+        rank.send("all_reduce", "ppxtp", FP32, pp * tp)  # clip_grad_norm_'s sum of squares
         if pp > 1 and (first or last):  # finish_gradients: the tied wte/lm_head, vocab/tp*C
             rank.send("all_reduce", "tied", FP32 * V // tp * C)  # the pp ends' tied_group
         if args.implementation == "pytorch":  # one flat all-reduce over dp (cp is 1 there)
-            send(rank, "all_reduce", "dp", dp, local)
+            rank.send("all_reduce", "dp", local, dp)
             ranks.append(rank)
             continue
-        send(rank, "all_reduce", "dpxcp", dp * cp, local)  # forward_backward, the last micro-step
+        rank.send("all_reduce", "dpxcp", local, dp * cp)  # forward_backward, the last micro-step
         # tp, per block and micro-batch: 2 g's forward (s), 2 f's backward (fp32), the embedding's g
         # and the head's f (fp32); full: the recompute reruns the attention's g only (early stop)
         n_g, n_f, fp32 = L * (2 + full), 2 * L, first + last
         if sp:  # f: all-gather forward, reduce-scatter backward; g: the other way; full: f again
-            send(rank, "all_gather", "tp", tp, mb * act // tp * (
-                FP32 * (n_f * (1 + full) + fp32) + s * 2 * L))
-            send(rank, "reduce_scatter", "tp", tp, mb * act * (FP32 * (n_f + fp32) + s * n_g))
+            rank.send("all_gather", "tp", mb * act // tp * (
+                FP32 * (n_f * (1 + full) + fp32) + s * 2 * L), tp)
+            rank.send("reduce_scatter", "tp", mb * act * (FP32 * (n_f + fp32) + s * n_g), tp)
             replicated = sum(n for name, n in held if shard_dim(name) is None)
-            send(rank, "all_reduce", "tp", tp, FP32 * replicated)  # finish_gradients: SP's sums
+            rank.send("all_reduce", "tp", FP32 * replicated, tp)  # finish_gradients: SP's sums
         else:
-            send(rank, "all_reduce", "tp", tp, mb * act * (FP32 * (n_f + fp32) + s * n_g))
+            rank.send("all_reduce", "tp", mb * act * (FP32 * (n_f + fp32) + s * n_g), tp)
         # VocabParallelCrossEntropy: b*T/cp maxima, then 2b*T/cp sums (fp32)
-        send(rank, "all_reduce", "tp", tp, last * mb * 3 * b * Tc * FP32)
+        rank.send("all_reduce", "tp", last * mb * 3 * b * Tc * FP32, tp)
         # cp, a block and micro-batch: cp-1 K, V hops forward, backward, recompute; cp of dK, dV
         kv = 2 * act // tp
-        send(rank, "send", "cp", cp, mb * L * kv * ((cp - 1) * s * (2 + again) + cp * FP32))
+        rank.send("send", "cp", mb * L * kv * ((cp - 1) * s * (2 + again) + cp * FP32), cp)
         # pp: the stage's output forward, its input's gradient back, fp32 (Hybrid.p2p); SP: /tp
         message = b * (Tc // tp if sp else Tc) * C * FP32
-        send(rank, "send", "pp", pp, mb * (2 - first - last) * message)
+        rank.send("send", "pp", mb * (2 - first - last) * message, pp)
         ranks.append(rank)
     return ranks
 
@@ -543,9 +544,9 @@ def plan(script, world_size, argv):
     args = script_args(script, argv, world_size)
     config = gpt_config(args)
     ranks = PLANS[script](args, world_size, config)
+    flops = step_flops(config, args, world_size)  # split evenly: the same on every rank
     for rank in ranks:
-        if rank.flops is None:
-            rank.flops = step_flops(config, args, world_size)
+        rank.flops = flops
     return ranks
 
 

@@ -305,8 +305,8 @@ def tokens(split, dataset="shakespeare"):
             shards = [s["file"] for s in manifest["shards"] if s["split"] == split]
             paths = [os.path.join(folder, name) for name in shards]
             _tokens[key] = Shards(paths, header_bytes(manifest))
-        elif llmc_shards(folder, split):
-            _tokens[key] = Shards(llmc_shards(folder, split), LLMC_HEADER_BYTES)
+        elif paths := llmc_shards(folder, split):
+            _tokens[key] = Shards(paths, LLMC_HEADER_BYTES)
         else:
             path = os.path.join(folder, f"{split}.bin")
             _tokens[key] = np.memmap(path, dtype=np.uint16, mode="r")

@@ -221,7 +221,7 @@ class Stream:
         return True
 
     def header_bytes(self):
-        return 4 * data.LLMC_HEADER_INTS if self.llmc else 0
+        return data.LLMC_HEADER_BYTES if self.llmc else 0
 
     def add(self, ids, docs, lengths, through):
         """Appends the tokens `ids` of whole documents `docs` (lengths[k] tokens each, in order),
@@ -335,7 +335,7 @@ def read_manifest(folder, fresh):
             fresh["format"]:
         return (f"{folder} holds shards of another source, --shard_tokens or --format (its "
                 f"{data.MANIFEST}); delete the folder, or pass the flags it was prepared with")
-    header = 4 * data.LLMC_HEADER_INTS if fresh["format"] == "llmc" else 0
+    header = data.header_bytes(fresh)  # llm.c's, before each shard's tokens, or none
     for k, shard in enumerate(manifest["shards"]):
         shard_path = os.path.join(folder, shard["file"])
         size = header + 2 * shard["tokens"]
