@@ -7,6 +7,7 @@ plan, checkpoint, bad input, and each copy's diff against pp_train.py bounded.""
 import contextlib
 import gc
 import hashlib
+import io
 import itertools
 import json
 import re
@@ -708,7 +709,6 @@ def test_timeline_bubble_and_checkpoint_equal_the_reference(shared_run, tmp_path
     assert "stage 0 (rank 0): wte, wpe, blocks 0-0" in out and "stage 1 (rank 1): blocks 1-1, ln_f, lm_head" in out
     # the planned order at the start: the worked example's GPipe (2 ranks, 4 micro-batches)
     assert "gpipe on a clock of equal steps:\nrank 0 | F0 F1 F2 F3 .  .  B0 B1 B2 B3\nrank 1 | .  F0" in out, out
-    assert re.search(r"rank 0 \|F.*B.*\|", out) and re.search(r"rank 1 \|.*F3.*B3.*\|", out)
     assert re.search(r"bubble: measured \d+\.\d% .* theory 20\.0% = \(p-1\)/\(m\+p-1\) with p=2, m=4\n", out)
     summary = read_metrics(tmp_path / "pp")[-1]
     assert summary["peak_live_microbatches_per_rank"] == [4, 4]
@@ -718,6 +718,18 @@ def test_timeline_bubble_and_checkpoint_equal_the_reference(shared_run, tmp_path
     for step in steps:
         assert [[tuple(label) for label, _, _ in spans] for spans in step] == [
             schedule_actions("gpipe", r, 2, 4) for r in range(2)]
+    # the printed timeline is the last step's spans drawn to scale: drawn again here from the same spans,
+    # it is the same text. Where a row starts depends on the clock (a rank may start its first span a
+    # column late), so the rows' content is claimed only as the schedule's: forwards before backwards.
+    drawer = ScheduleReport.__new__(ScheduleReport)
+    drawer.args = SimpleNamespace(virtual_stages=1)
+    drawer.steps = [[[(tuple(label), t0, t1) for label, t0, t1 in spans] for spans in steps[-1]]]
+    end = max(t1 for spans in steps[-1] for _, _, t1 in spans)
+    with contextlib.redirect_stdout(io.StringIO()) as drawn:
+        drawer.print_timeline(end)
+    assert drawn.getvalue() in out, (drawn.getvalue(), out)
+    for rank in range(2):
+        assert re.search(rf"rank {rank} \|\.*F[-F0-9.]*B[-B0-9.]*\|", drawn.getvalue()), drawn.getvalue()
     bubble, S = bubble_of(steps)
     assert summary["bubble_measured"] == pytest.approx(bubble, rel=1e-12, abs=1e-15)
     assert summary["compute_ms_per_rank"] == pytest.approx(S, abs=0.0005)  # the summary keeps 3 decimals of ms
@@ -783,7 +795,7 @@ def test_vocab_parallel_end_to_end(shared_run, tmp_path):
     out = result.stdout  # the stage plan: the last stage without lm_head, the vocabulary pass on both ranks
     assert "stage 1 (rank 1): blocks 1-1, ln_f: " in out and "vocabulary pass, every rank: lm_head rows r*25152" in out
     for rank in range(2):  # the timeline draws every rank's vocabulary passes (a short F or B may show as one letter)
-        assert re.search(rf"rank {rank} \|.*L0-.*L1-.*L2-.*L3-.*\|", out), out
+        assert re.search(rf"rank {rank} \|.*L0.*L1.*L2.*L3.*\|", out), out
     reference = step_losses(shared_run("ddp_train.py", None, TINY + ["--max_iters", "3"])[0])
     assert worst(abs(a - b) for a, b in paired(step_losses(tmp_path), reference, "losses")) <= 1e-5  # parity's
 
