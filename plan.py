@@ -12,18 +12,17 @@ logged loss's average, the same in every script, left out); a pipeline's bubble,
 schedule's own timetable; and the FLOPs. Each strategy's formulas sit in one function, in the
 README's order, each line with where it comes from.
 """
-import argparse
 import functools
 import importlib
 import itertools
-import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from common.config import gpt_config, parse_args
 from common.metrics import flops_per_token
 from common.model import GPT, GPTConfig
+from common.schedule_report import peak_live
 
 FP32 = 4  # bytes: parameters, gradients and AdamW's moments are fp32 in every script
 
@@ -37,7 +36,11 @@ class Rank:
     optimizer: int = 0  # AdamW: exp_avg, exp_avg_sq, and its 0-dim fp32 `step` a tensor
     comm: dict = field(default_factory=dict)  # "collective@group" -> bytes handed per step
     bubble: float = None  # a pipeline's idle share of the step
+    activations: int = 0  # bytes saved for backward: one micro-batch's forward
+    peak_activations: int = 0  # at the most micro-batches in flight (a pipeline's warm-up)
     flops: tuple = None  # (model, hardware) per step, this rank's share: plan() sets it
+    between: dict = field(default_factory=dict)  # of comm, the bytes that cross nodes
+    sizes: dict = field(default_factory=dict)  # of comm, each group's ranks
 
     @property
     def model_state(self):
@@ -76,27 +79,62 @@ def shapes(fields):
     return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
 
 
-def layer_activations(s, b, h, a, mode, dropout, t=1, sp=False):
-    """Bytes one block keeps for backward, fp32 on the CPU: s positions x b rows, h wide, a heads,
-    TP over t ranks (sp: SP). Korthikanti et al. 2022's terms, with every element 4 bytes (CPU's
-    dropout masks too) and each LayerNorm's mean and 1/std (8 bytes a position) added; derived
-    and measured in tests/test_recompute.py."""
+def layer_activations(s, b, h, a, mode, dropout, t=1, sp=False, e=FP32):
+    """Bytes one block keeps for backward on the CPU: s positions x b rows, h wide, a heads, TP over
+    t ranks (sp: SP), matmuls' outputs e bytes (compute_bytes). Korthikanti et al. 2022's terms,
+    every fp32 element 4 bytes (CPU's dropout masks too), each LayerNorm's mean and 1/std added,
+    and under bf16 autocast's copies of the weights; derived and measured in test_recompute.py."""
     sbh, sb = s * b * h, s * b
     if mode == "full":  # the block's input alone (SP: its sequence shard)
         return 4 * sbh // (t if sp else 1)
-    masks = 8 * sbh if dropout else 0  # the two residual dropouts' float masks
+    masks = 2 * e * sbh if dropout else 0  # the two residual dropouts' masks
     if sp:  # whole: the column-parallel linears' gathered inputs; the rest split by sequence, heads
-        whole, split = 8 * sbh, (56 * sbh + masks) // t
-    else:  # whole on every TP rank: the LayerNorms' inputs and outputs, the masks; split: the rest
-        whole, split = 16 * sbh + masks, 48 * sbh // t
+        whole, split = 2 * e * sbh, (12 * e * sbh + 8 * sbh + masks) // t
+    else:  # whole: the LayerNorms' inputs (fp32) and outputs, the masks; split: qkv, y, fc, gelu
+        whole, split = (8 + 2 * e) * sbh + masks, 12 * e * sbh // t
     norms = 16 * sb // (t if sp else 1)  # each LayerNorm's mean and 1/std, 2 x 4 bytes a position
+    weights = 24 * h * h // t if e < FP32 else 0  # autocast's bf16 copies of the 12h^2 weights
     if mode == "selective":  # the attention core is recomputed: nothing of it kept
         core = 0
     elif dropout:  # SDPA's math path: the s x s scores, probabilities and the dropout's mask
-        core = 12 * a * s * s * b // t
+        core = (12 * a * s * s * b + (e < FP32) * 6 * sbh) // t  # bf16: q, k, v copied too
     else:  # the fused kernel: its log-sum-exp, a float a position and head
         core = 4 * a * sb // t
-    return whole + split + norms + core
+    return whole + split + norms + weights + core
+
+
+def model_activations(config, args, b, s, blocks, first=True, last=True, t=1, sp=False, vt=1,
+                      head=True):
+    """Bytes one micro-batch's forward keeps (what activations.first() measures): `blocks` blocks
+    of b rows x s positions, the embedding's on the first stage (token ids, positions, dropout's
+    mask; the block input is the first block's), the head's on the last: ln_f, the (b*s, vocab/t)
+    logits in the compute dtype, autocast's copy of the head's weight, the loss's fp32 lse and
+    weight and int64 targets."""
+    e, h, n = compute_bytes(args), config.n_embd, b * s
+    saved = blocks * layer_activations(s, b, h, config.n_head, args.activation_checkpointing,
+                                       config.dropout, t, sp, e)
+    if first:  # int64 ids (b, s) and positions (s); the embedding dropout's fp32 mask
+        saved += 8 * n + 8 * s + (config.dropout > 0) * 4 * n * h
+    if last:  # ln_f's fp32 input, mean and 1/std (no head: a vocabulary pass's, held by none)
+        saved += 4 * n * h + 8 * n
+    if last and head:  # ln_f's output and the logits in e bytes; the loss's fp32 lse, weight
+        saved += e * n * h + e * n * config.vocab_size // vt + 16 * n
+        saved += 2 * config.vocab_size * h // vt if e < FP32 else 0
+    return saved
+
+
+def micro_rows(args, replicas):
+    """A micro-batch's rows on a rank whose data replicas are `replicas` (main()'s micro)."""
+    return args.batch_size // replicas // args.grad_accum_steps
+
+
+def saving(rank, config, args, b, s=None, t=1, sp=False, vt=None):
+    """Sets a rank's activations for the whole model, one micro-batch in flight (vt: the logits'
+    vocabulary split, t where not given)."""
+    s = s or args.block_size
+    rank.activations = rank.peak_activations = model_activations(
+        config, args, b, s, config.n_layer, t=t, sp=sp, vt=t if vt is None else vt)
+    return rank
 
 
 def step_flops(config, args, world_size):
@@ -117,7 +155,7 @@ def ddp(args, world_size, config):
     numels = [math.prod(shape) for _, shape in parameters(config)]
     rank = Rank(list(range(world_size)), **adamw(numels))
     rank.send("all_reduce", "world", FP32 * sum(numels), world_size)
-    return [rank]
+    return [saving(rank, config, args, micro_rows(args, world_size))]
 
 
 def grouped(ranks):
@@ -169,7 +207,7 @@ def sharded(args, world_size, config, reshard):
             rank.send("all_gather", "world", A * gather * (sum(padded) + reshard * blocks))
             rank.send("reduce_scatter", "world", A * FP32 * N * sum(padded))
             rank.send("all_reduce", "world", FP32)  # clip_grad_norm_: the shards' squares
-        ranks.append(rank)
+        ranks.append(saving(rank, config, args, micro_rows(args, N)))
     return grouped(ranks)
 
 
@@ -216,7 +254,7 @@ def zero3(args, world_size, config, threshold=0, reuse=math.inf):
             rank.grads = FP32 * P
         if N > 1:
             comm(rank, args, stage, A, sizes, owner, P, part, reuse)
-        ranks.append(rank)
+        ranks.append(saving(rank, config, args, micro_rows(args, N)))
     return grouped(ranks)
 
 
@@ -258,7 +296,8 @@ def tensor_parallel(args, world_size, config, overlap=False):
               for name, shape in parameters(config)]
     rank = Rank(list(range(world_size)), **adamw(numels))
     act, sp = compute_bytes(args), args.sequence_parallel
-    bt = args.batch_size // D // A * args.block_size  # b: main()'s micro rows
+    b = micro_rows(args, D)
+    bt = b * args.block_size
     btc = bt * config.n_embd  # a (b, T, C) activation
     # full: backward reruns each block's forward up to its last op that saves a tensor: the f's,
     # attn's g, mlp's g only where a dropout saves its mask or (overlap) g's Function its input
@@ -285,7 +324,7 @@ def tensor_parallel(args, world_size, config, overlap=False):
         rank.send("all_reduce", "tp", FP32 * sum(replicated))
     rank.send("all_reduce", "dp", FP32 * sum(numels), D)  # sum_over_dp: every local gradient
     rank.send("all_reduce", "tp", FP32, tp)  # clip_grad_norm_: the shards' squares
-    return [rank]
+    return [saving(rank, config, args, b, t=tp, sp=sp, vt=tp if args.loss_parallel else 1)]
 
 
 def tp_overlap(args, world_size, config):
@@ -301,7 +340,7 @@ def context_parallel(args, world_size, config):
     numels = [math.prod(shape) for _, shape in parameters(config)]
     rank = Rank(list(range(world_size)), **adamw(numels))
     cp, A, L = args.context_parallel_size, args.grad_accum_steps, config.n_layer
-    b = args.batch_size // (world_size // cp) // A  # main()'s micro rows
+    b = micro_rows(args, world_size // cp)
     kv = 2 * b * args.block_size * config.n_embd // cp
     act, again = compute_bytes(args), args.activation_checkpointing != "none"
     if cp > 1 and args.cp_mode == "ring":  # RingAttention: cp - 1 sends of [K; V] in forward and
@@ -316,7 +355,7 @@ def context_parallel(args, world_size, config):
         selective = args.activation_checkpointing == "selective"
         rank.send("all_to_all", "cp", A * L * kv // 2 * act * (8 + again * (4 - selective)))
     rank.send("all_reduce", "world", FP32 * sum(numels), world_size)  # GradientBuckets: D x cp
-    return [rank]
+    return [saving(rank, config, args, b, args.block_size // cp)]
 
 
 def stage_numels(config, args, stage, n_stages):
@@ -339,12 +378,16 @@ def pipeline(args, world_size, config, script, head_rows, v=(), vp=()):
     rows = args.batch_size // args.grad_accum_steps // M  # a micro-batch's
     ranks = []
     for r in range(p):
-        numels = []
+        numels, sizes = [], []  # sizes: what a micro-batch's forward through each chunk saves
         for chunk in range(V):
             stage = script.stage_index(r, chunk, p, *v)
             numels += stage_numels(config, args, stage, p * V)
             numels += [head_rows(stage, chunk) * C] if head_rows(stage, chunk) else []
-        rank = Rank([r], **adamw(numels))
+            sizes.append(model_activations(config, args, rows, args.block_size,
+                                           args.stage_layers[stage], stage == 0,
+                                           stage == p * V - 1, head=not vp))
+        rank = Rank([r], **adamw(numels), activations=sum(sizes))
+        rank.peak_activations = peak_live(every[r], sizes)  # the schedule's most held at once
         rank.bubble = table[r].count(None) / len(table[r])  # its idle steps of the timetable
         program = script.p2p_program(table, r, p * V, *v)
         sends = sum(is_send for _, ops in program for _, is_send, _ in ops)
@@ -423,7 +466,7 @@ def ep(args, world_size, config):
     if args.implementation == "pytorch":  # DDP's buckets: 4 bytes a parameter of the whole model
         vars(rank).update(adamw(numel for _, numel in named))
         rank.send("all_reduce", "world", FP32 * sum(numel for _, numel in named), world_size)
-        return [rank]
+        return [saving(rank, config, args, micro_rows(args, world_size))]
     stacked = {}  # "transformer.h.0.mlp" + "c_fc.weight" -> its E experts' numbers, then E/EP's
     for name, numel in named:
         layer, expert, tensor = name.partition(".experts.")
@@ -441,7 +484,7 @@ def ep(args, world_size, config):
     rank.send("all_reduce", "world", FP32 * sum(dense), world_size)  # GradientBuckets
     rank.send("all_reduce", "replica", FP32 * sum(stacked.values()), replicas)  # finish_backward
     rank.send("all_reduce", "ep", FP32, ep_size)  # clip_grad_norm_: the experts' squares
-    return [rank]
+    return [saving(rank, config, args, micro_rows(args, world_size))]
 
 
 def hybrid_stage(config, args, stage):
@@ -489,6 +532,8 @@ def hybrid(args, world_size, config):
                     **adamw(numel for _, numel in held))
         if pp > 1:  # the idle steps of its row of the timetable
             rank.bubble = table[stage].count(None) / len(table[stage])
+        rank.activations = model_activations(config, args, b, Tc, L, first, last, tp, sp, tp)
+        rank.peak_activations = peak_live(schedule_actions("1f1b", stage, pp, M), [rank.activations])
         local = FP32 * sum(numel for _, numel in held)
         rank.send("all_reduce", "ppxtp", FP32, pp * tp)  # clip_grad_norm_'s sum of squares
         if pp > 1 and (first or last):  # finish_gradients: the tied wte/lm_head, vocab/tp*C
@@ -539,14 +584,17 @@ def script_args(script, argv, world_size):
     return args
 
 
-def plan(script, world_size, argv):
+def plan(script, world_size, argv, nproc_per_node=None):
     """Each rank's figures (a list of Rank), for `script` run on world_size ranks with argv."""
+    import plan_report  # where the ranks sit: which of their bytes cross nodes
     args = script_args(script, argv, world_size)
     config = gpt_config(args)
     ranks = PLANS[script](args, world_size, config)
     flops = step_flops(config, args, world_size)  # split evenly: the same on every rank
+    axes = plan_report.grid_axes(script, args, world_size)
     for rank in ranks:
         rank.flops = flops
+        rank.between = plan_report.between_nodes(rank, axes, nproc_per_node or world_size)
     return ranks
 
 
@@ -556,44 +604,9 @@ def per_rank(ranks, world_size, key):
     return [by_rank.get(r) for r in range(world_size)]
 
 
-def human(nbytes):
-    unit = min(int(math.log(max(nbytes, 1), 1024)), 3)
-    return f"{nbytes:,} B" if unit == 0 else f"{nbytes / 1024**unit:,.1f} {'KMG'[unit - 1]}iB"
-
-
-def describe(script, ranks, nproc_per_node, nnodes):
-    lines = [f"{script} on {nnodes} x {nproc_per_node} ranks"]
-    for rank in ranks:
-        shown = rank.ranks if len(rank.ranks) <= 4 else f"{rank.ranks[0]}..{rank.ranks[-1]}"
-        lines.append(f"ranks {shown}:")
-        lines.append(f"  model state    {human(rank.model_state)} (params {human(rank.params)}, "
-                     f"grads {human(rank.grads)}, AdamW {human(rank.optimizer)})")
-        for key, nbytes in sorted(rank.comm.items()):
-            lines.append(f"  {key:28s} {human(nbytes)} a step")
-        if rank.bubble is not None:
-            lines.append(f"  bubble         {100 * rank.bubble:.1f}% of the step idle")
-        model, hardware = rank.flops
-        lines.append(f"  FLOPs          {model:.3e} a step (model), {hardware:.3e} (hardware)")
-    return "\n".join(lines)
-
-
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python plan.py", description="What a script costs per "
-                                "rank; the script's own flags follow")
-    p.add_argument("script", choices=list(PLANS))
-    p.add_argument("--nproc_per_node", type=int, default=1)
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--json", action="store_true", help="the figures as JSON")
-    argv = sys.argv[1:] if argv is None else argv
-    at = next((i + 1 for i, arg in enumerate(argv) if arg.endswith("_train.py")), len(argv))
-    ours, theirs = p.parse_args(argv[:at]), argv[at:]  # plan.py's flags, then the script's
-    world_size = ours.nproc_per_node * ours.nnodes
-    ranks = plan(ours.script, world_size, theirs)
-    if ours.json:
-        print(json.dumps([asdict(r) | {"model_state": r.model_state} for r in ranks], indent=1))
-    else:
-        print(describe(ours.script, ranks, ours.nproc_per_node, ours.nnodes))
-    return 0
+    import plan_report  # the command line: the report, the nodes, the GPU's time
+    return plan_report.main(argv)
 
 
 if __name__ == "__main__":

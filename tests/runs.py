@@ -104,6 +104,13 @@ def check_plan(script, argv, out_dir):
     if predicted != logged:
         raise AssertionError(f"plan.py {script} {' '.join(argv)}: model state per rank {predicted}, the run "
                              f"logged {logged}")
+    ranks = plan.plan(script, len(logged), argv)
+    for key, name in (("saved_activation_bytes_per_rank", "activations"),
+                      ("peak_activation_bytes_per_rank", "peak_activations")):
+        if summary[-1].get(key) and os.environ.get("PLAN_ACT_LOG"):
+            with open(os.environ["PLAN_ACT_LOG"], "a") as f:
+                f.write(json.dumps(dict(script=script, argv=argv, key=key, logged=summary[-1][key],
+                                        predicted=plan.per_rank(ranks, len(logged), name))) + "\n")
 
 
 def split_runs(argv):

@@ -23,7 +23,7 @@ LAYOUTS = {  # a layout each script accepts at 4 ranks, with the flags that make
 def test_every_script_plans_every_rank(script, capsys):
     assert set(LAYOUTS) == set(plan.PLANS)
     assert plan.main(["--nproc_per_node", "4", "--json", script, *LAYOUTS[script]]) == 0
-    ranks = json.loads(capsys.readouterr().out)
+    ranks = json.loads(capsys.readouterr().out)["ranks"]
     assert sorted(r for rank in ranks for r in rank["ranks"]) == [0, 1, 2, 3]  # each rank once
     for rank in ranks:
         assert rank["model_state"] == rank["params"] + rank["grads"] + rank["optimizer"] > 0
@@ -38,3 +38,52 @@ def test_bad_input_is_the_scripts_own_line(capsys):
     assert stop.value.code not in (0, None)
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: --n_head: 4 must be divisible by --tensor_parallel_size (3)")
+
+
+def test_bytes_between_nodes_are_those_of_groups_that_span_nodes():
+    """--nnodes: a collective's bytes cross nodes when its group has ranks on another node (consecutive ranks a
+    node, as torchrun numbers them); a pipeline's send only where a neighbouring stage is on another node."""
+    def between(script, nproc, nnodes, *flags):
+        ranks = plan.plan(script, nproc * nnodes, list(flags), nproc)
+        return {r: {key: (rank.comm[key], rank.between[key]) for key in rank.comm} for rank in ranks for r in rank.ranks}
+    tp = between("tp_train.py", 4, 2, "--tensor_parallel_size", "4", "--data_parallel_size", "2")
+    for r in range(8):  # the TP group is a node, the DP pair spans two
+        assert tp[r]["all_reduce@tp"][1] == 0 and tp[r]["all_reduce@dp"][1] == tp[r]["all_reduce@dp"][0] > 0
+    ddp = between("ddp_train.py", 2, 2)
+    assert all(nbytes == crossing > 0 for rank in ddp.values() for nbytes, crossing in rank.values())
+    assert all(crossing == 0 for rank in between("ddp_train.py", 4, 1).values() for _, crossing in rank.values())
+    pp = between("pp_train.py", 2, 2, "--n_layer", "4")  # stages 0 1 | 2 3: the pair 1-2 crosses
+    assert [pp[r]["send@pp"][1] for r in range(4)] == [0, pp[1]["send@pp"][0] // 2, pp[2]["send@pp"][0] // 2, 0]
+    assert pp[0]["all_reduce@tied"] == pp[3]["all_reduce@tied"] == (pp[0]["all_reduce@tied"][0],) * 2  # 0 with 3
+    hybrid = between("hybrid_train.py", 4, 2, "--pipeline_parallel_size", "2", "--tensor_parallel_size", "2",
+                     "--n_layer", "4")  # (dp, pp, tp): a node holds one dp replica's two stages
+    assert all(rank["all_reduce@dpxcp"][1] > 0 and rank["all_reduce@tp"][1] == rank["send@pp"][1] == 0
+               for rank in hybrid.values())
+
+
+def test_activations_are_printed_with_the_most_in_flight(capsys):
+    """1F1B at 2 ranks and 4 micro-batches: rank 0 holds 2 micro-batches at its peak (warm-up p - r), rank 1 one."""
+    ranks = plan.plan("pp_train.py", 2, ["--n_layer", "4", "--n_microbatches", "4", "--schedule", "1f1b"])
+    assert [rank.peak_activations // rank.activations for rank in ranks] == [2, 1]
+    assert plan.main(["--nproc_per_node", "2", "--nnodes", "2", "ddp_train.py"]) == 0
+    out = capsys.readouterr().out
+    assert "at the most in flight" in out and "between nodes" in out
+
+
+def test_gpu_time_is_compute_at_the_efficiency_plus_what_is_not_hidden(capsys):
+    """--gpu: one rank computes at the stated share of peak (MFU = it, recompute aside); tp's all-reduces are on
+    the critical path, each 2(n-1)/n of its bytes at NVLink's bandwidth; an unknown GPU is one line."""
+    import plan_report
+    assert plan.main(["--json", "--gpu", "h100", "--efficiency", "0.4", "ddp_train.py", "--dtype", "bfloat16"]) == 0
+    estimate = json.loads(capsys.readouterr().out)["estimate"]
+    assert estimate["mfu"] == pytest.approx(0.4) and estimate["fits"]
+    flags = ["--tensor_parallel_size", "2", "--dtype", "bfloat16"]
+    assert plan.main(["--json", "--nproc_per_node", "2", "--gpu", "a100", "tp_train.py", *flags]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (rank,), peak, _, nvlink, _ = out["ranks"], *plan_report.GPUS["a100"]
+    comm = sum(2 * (2 - 1) / 2 * nbytes / nvlink for nbytes in rank["comm"].values())  # all all-reduces
+    assert set(key.split("@")[0] for key in rank["comm"]) == {"all_reduce"}
+    assert out["estimate"]["step_s"] == pytest.approx(rank["flops"][1] / (peak * 0.5) + comm)
+    with pytest.raises(SystemExit) as stop:
+        plan.main(["--gpu", "tpu", "ddp_train.py"])
+    assert stop.value.code == 2 and "--gpu: invalid choice: 'tpu'" in capsys.readouterr().err

@@ -23,8 +23,10 @@ keeps its all-gathered input (2 x 4*s*b*h), which Megatron keeps sharded and all
   none       8*s*b*h + 64*s*b*h/t + 12*a*s*s*b/t + 16*s*b/t
 selective drops the attention term in both; full keeps the block input, 4*s*b*h (SP: 4*s*b*h/t).
 """
+import itertools
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -51,6 +53,22 @@ def saved_bytes(n_layer, mode, dropout):
         _, loss = model(idx, idx)
     loss.backward()  # the recompute runs, and finds what it kept
     return meter.bytes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_whole_models_bytes_equal_plans_formula(dtype):
+    """plan.model_activations: a forward of the whole model, embedding, blocks, head and loss, in fp32 and under
+    bf16 autocast (its copies of the weights, the matmuls' bf16 outputs), each mode, with and without dropout."""
+    for n_layer, vocab, mode, dropout in itertools.product((1, 2), (64, 1000), recompute.MODES, (0.1, 0.0)):
+        torch.manual_seed(0)
+        config = GPTConfig(block_size=S, vocab_size=vocab, n_layer=n_layer, n_head=A, n_embd=H, dropout=dropout)
+        model = GPT(config)
+        checkpoint_blocks(model.transformer.h, mode)
+        idx = torch.randint(0, vocab, (B, S))
+        with SavedActivations() as meter, torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16"):
+            model(idx, idx.clone())  # targets: their own storage, as a batch's are
+        args = SimpleNamespace(dtype=dtype, activation_checkpointing=mode)
+        assert meter.bytes == plan.model_activations(config, args, B, S, n_layer), (n_layer, vocab, mode, dropout)
 
 
 @pytest.mark.parametrize("dropout,mode", list(CPU_BYTES))

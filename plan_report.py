@@ -1,0 +1,179 @@
+"""plan_report.py: plan.py's command line, and where its ranks sit: which bytes cross nodes, and the
+step's time on a GPU.
+
+    python plan.py --nproc_per_node 8 --nnodes 2 --gpu h100 fsdp_train.py --preset gpt2
+"""
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict
+
+import plan
+
+
+def grid_axes(script, args, world_size):
+    """The script's rank grid, outermost axis first, the last axis's ranks consecutive."""
+    name = script.split("_")[0]
+    if name == "hybrid":
+        return [("dp", args.data_parallel_size), ("pp", args.pipeline_parallel_size),
+                ("cp", args.context_parallel_size), ("tp", args.tensor_parallel_size)]
+    if name in ("tp", "cp", "ep"):  # its grid, (-1, size) (ep: (replicas, -1))
+        inner = world_size // args.data_parallel_size if name == "ep" else getattr(
+            args, {"tp": "tensor_parallel_size", "cp": "context_parallel_size"}[name])
+        return [("replica" if name == "ep" else "dp", world_size // inner), (name, inner)]
+    return [("pp" if name == "pp" else "world", world_size)]
+
+
+def group_of(group, rank, axes):
+    """(size, ends, neighbours) of `rank`'s group (axes joined by 'x'; 'world'; 'tied': the same
+    place at the first and last pp stage): its lowest and highest ranks, which share a node only
+    when all its ranks do; the ranks before and after it along its axis (a ring's, a pipeline's)."""
+    names, sizes = zip(*axes)
+    coords = [rank // math.prod(sizes[i + 1:]) % n for i, n in enumerate(sizes)]
+    at = lambda **set_: sum(set_.get(a, c) * math.prod(sizes[i + 1:])  # noqa: E731
+                            for i, (a, c) in enumerate(zip(names, coords)))
+    if group == "tied":
+        return 2, [rank, at(pp=0), at(pp=sizes[names.index("pp")] - 1)], []
+    free = names if group in ("world", "vocab") else group.split("x")
+    ends = [at(**{a: 0 for a in free}), at(**{a: sizes[names.index(a)] - 1 for a in free})]
+    i, n = coords[names.index(free[0])], sizes[names.index(free[0])]
+    neighbours = [at(**{free[0]: j % n}) for j in (i - 1, i + 1) if group != "pp" or 0 <= j < n]
+    return math.prod(sizes[names.index(a)] for a in free), ends, neighbours
+
+
+def between_nodes(rank, axes, nproc_per_node):
+    """{collective@group: bytes of it that cross nodes}, the most of the class's ranks: all of a
+    collective whose group spans nodes; of a send, its neighbours' share on other nodes."""
+    node = lambda r: r // nproc_per_node  # noqa: E731  torchrun: consecutive ranks a node
+    worst = {}
+    for key, nbytes in rank.comm.items():
+        collective, group = key.split("@")
+        for r in rank.ranks:
+            size, ends, neighbours = group_of(group, r, axes)
+            rank.sizes[key] = size
+            peers = neighbours if collective == "send" else ends
+            share = sum(node(p) != node(r) for p in peers) / len(peers)
+            share = share if collective == "send" else float(share > 0)
+            worst[key] = max(worst.get(key, 0), int(share * nbytes))
+    return worst
+
+
+# ---- time on a GPU ------------------------------------------------------------------------------
+
+# name: (peak dense bf16 FLOP/s, memory bytes, NVLink bytes/s a GPU each way within a node, network
+# bytes/s a GPU each way between nodes). NVIDIA's datasheets: A100 SXM4 80GB 312 TFLOP/s, NVLink
+# 600 GB/s (both ways); H100 SXM5 989 TFLOP/s, 80 GB, NVLink 900 GB/s; H200 SXM 989 TFLOP/s, 141 GB
+# (143,771 MiB as torch reports it), NVLink 900 GB/s. The network: DGX A100's one 200 Gb/s HDR
+# InfiniBand port a GPU, DGX H100's (and H200's) one 400 Gb/s NDR port a GPU.
+GPUS = {"a100": (312e12, 80 * 2**30, 300e9, 25e9), "h100": (989e12, 80 * 2**30, 450e9, 50e9),
+        "h200": (989e12, 143771 * 2**20, 450e9, 50e9)}
+
+# What each script runs behind its compute (its docstring): DDP's buckets during backward, FSDP's
+# prefetched gathers and its reduce-scatters, ZeRO's async reduces (stage 3: its prefetched
+# broadcasts), the ring's K, V hops under the attention, tp_overlap's pieces under the matmuls.
+HIDDEN = {"ddp": ["all_reduce@world"], "fsdp": ["all_gather@world", "reduce_scatter@world"],
+          "zero3": ["reduce@world"], "cp": ["send@cp"], "ep": ["all_reduce@world"],
+          "hybrid": ["send@cp"]}
+
+# Seconds a byte handed to a collective of n ranks takes at a link's bandwidth (ring algorithms):
+# an all-reduce sends and receives 2(n-1)/n of its tensor, a reduce-scatter (n-1)/n, an
+# all-gather receives the n-1 other shards, an all-to-all (n-1)/n of its rows.
+RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+        "all_gather": lambda n: n - 1, "all_to_all": lambda n: (n - 1) / n}
+
+
+def step_time(script, args, rank, gpu, efficiency):
+    """A rank's step in seconds: its hardware FLOPs at `efficiency` of the GPU's peak, plus the
+    communication it does not hide (the hidden only where it outlasts the compute), stretched by
+    the pipeline's idle share. Each collective's bytes at NVLink's bandwidth, those that cross
+    nodes at the network's."""
+    peak, _, nvlink, network = GPUS[gpu]
+    compute = rank.flops[1] / (peak * efficiency)
+    name = script.split("_")[0]
+    hidden = HIDDEN.get(name, []) + (["broadcast@world"] if name == "zero3" and args.stage == 3
+                                     else []) + (["send@tp", "all_reduce@tp", "all_gather@tp",
+                                                  "reduce_scatter@tp"] if getattr(args,
+                                                  "tp_overlap", False) else [])
+    exposed = behind = 0.0
+    for key, nbytes in rank.comm.items():
+        ring = RING.get(key.split("@")[0], lambda n: 1)(rank.sizes[key])
+        seconds = ring * ((nbytes - rank.between[key]) / nvlink + rank.between[key] / network)
+        if key in hidden:
+            behind += seconds
+        else:
+            exposed += seconds
+    busy = compute + exposed + max(0.0, behind - compute)
+    return busy / (1 - (rank.bubble or 0.0))
+
+
+def human(nbytes):
+    unit = min(int(math.log(max(nbytes, 1), 1024)), 3)
+    return f"{nbytes:,} B" if unit == 0 else f"{nbytes / 1024**unit:,.1f} {'KMG'[unit - 1]}iB"
+
+
+def describe(script, ranks, nproc_per_node, nnodes):
+    lines = [f"{script} on {nnodes} x {nproc_per_node} ranks"]
+    for rank in ranks:
+        r = rank.ranks
+        shown = r if len(r) <= 4 else f"{r[0]}..{r[-1]}" if len(r) == r[-1] - r[0] + 1 else \
+            f"{r[:4]} and {len(r) - 4} more"
+        lines.append(f"ranks {shown}:")
+        lines.append(f"  model state    {human(rank.model_state)} (params {human(rank.params)}, "
+                     f"grads {human(rank.grads)}, AdamW {human(rank.optimizer)})")
+        if rank.activations:
+            lines.append(f"  activations    {human(rank.activations)} a micro-batch's forward, "
+                         f"{human(rank.peak_activations)} at the most in flight")
+        for key, nbytes in sorted(rank.comm.items()):
+            cross = f", {human(rank.between[key])} between nodes" if nnodes > 1 else ""
+            lines.append(f"  {key:28s} {human(nbytes)} a step{cross}")
+        if rank.bubble is not None:
+            lines.append(f"  bubble         {100 * rank.bubble:.1f}% of the step idle")
+        model, hardware = rank.flops
+        lines.append(f"  FLOPs          {model:.3e} a step (model), {hardware:.3e} (hardware)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python plan.py", description="What a script costs per "
+                                "rank; the script's own flags follow")
+    p.add_argument("script", choices=list(plan.PLANS))
+    p.add_argument("--nproc_per_node", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="the figures as JSON")
+    p.add_argument("--gpu", choices=list(GPUS), help="estimate the step's time on this GPU")
+    p.add_argument("--efficiency", type=float, default=0.5,
+                   help="the fraction of the GPU's peak FLOP/s its matmuls reach (0.5)")
+    argv = sys.argv[1:] if argv is None else argv
+    at = next((i + 1 for i, arg in enumerate(argv) if arg.endswith("_train.py")), len(argv))
+    ours, theirs = p.parse_args(argv[:at]), argv[at:]  # plan.py's flags, then the script's
+    world_size = ours.nproc_per_node * ours.nnodes
+    ranks = plan.plan(ours.script, world_size, theirs, ours.nproc_per_node)
+    estimate = ours.gpu and timing(ours, theirs, ranks, world_size)
+    if ours.json:
+        print(json.dumps(dict(ranks=[asdict(r) | {"model_state": r.model_state} for r in ranks],
+                              estimate=estimate or None), indent=1))
+    else:
+        print(describe(ours.script, ranks, ours.nproc_per_node, ours.nnodes))
+    if estimate and not ours.json:
+        print(f"on {ours.gpu} at {ours.efficiency:.0%} of peak: {estimate['step_s'] * 1e3:,.1f} ms a "
+              f"step, {estimate['tokens_per_sec']:,.0f} tokens/s, MFU {estimate['mfu']:.1%}; "
+              f"memory {human(estimate['memory'])} of {human(GPUS[ours.gpu][1])} a GPU "
+              f"(model state and activations at their peak)"
+              + ("" if estimate["fits"] else ": DOES NOT FIT"))
+    return 0
+
+
+def timing(ours, argv, ranks, world_size):
+    """The job's step: its slowest rank's; tokens/s and MFU from it."""
+    args = plan.script_args(ours.script, argv, world_size)
+    step = max(step_time(ours.script, args, rank, ours.gpu, ours.efficiency) for rank in ranks)
+    model_flops = sum(rank.flops[0] * len(rank.ranks) for rank in ranks)
+    memory = max(rank.model_state + rank.peak_activations for rank in ranks)
+    return dict(step_s=step, tokens_per_sec=args.batch_size * args.block_size / step,
+                mfu=model_flops / (step * GPUS[ours.gpu][0] * world_size), memory=memory,
+                fits=memory <= GPUS[ours.gpu][1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
