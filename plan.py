@@ -1,16 +1,13 @@
 """plan.py: what each strategy costs, per rank, before it runs.
 
-    python plan.py --nproc_per_node 8 fsdp_train.py --preset gpt2 --batch_size 64
-    python plan.py --nproc_per_node 8 --json hybrid_train.py --tensor_parallel_size 2 ...
+    python plan.py --nproc_per_node 8 [--nnodes 2] [--gpu h100] [--json] fsdp_train.py --preset gpt2
 
-The script's flags go through its own parser and checks (bad input: its own line). For each class of
-equal ranks: the model state (parameters, gradients, AdamW state: exactly the run's logged
-`model_state_bytes_per_rank`, which tests/runs.py checks after every run the suite makes); per step,
-the bytes the rank hands to each collective by process group (an all-reduce's tensor, an
-all-gather's input shard, a reduce-scatter's whole input, an all-to-all's rows, a send's tensor; the
-logged loss's average, the same in every script, left out); a pipeline's bubble, from the
-schedule's own timetable; and the FLOPs. Each strategy's formulas sit in one function, in the
-README's order, each line with where it comes from.
+The script's flags go through its own parser and checks. Per class of equal ranks: the model state
+(exactly the logged `model_state_bytes_per_rank`), the activations, the bytes handed to each
+collective per step by process group (the logged loss's average left out), a pipeline's bubble
+from its own timetable, and the FLOPs: each strategy's formulas in one function, in the README's
+order, each line with where it comes from. tests/runs.py checks them after every run the suite
+makes. plan_report.py prints them, splits the bytes by node and estimates the time on a GPU.
 """
 import functools
 import importlib
@@ -40,15 +37,13 @@ class Rank:
     peak_activations: int = 0  # at the most micro-batches in flight (a pipeline's warm-up)
     flops: tuple = None  # (model, hardware) per step, this rank's share: plan() sets it
     between: dict = field(default_factory=dict)  # of comm, the bytes that cross nodes
-    sizes: dict = field(default_factory=dict)  # of comm, each group's ranks
 
     @property
     def model_state(self):
         return self.params + self.grads + self.optimizer
 
     def send(self, collective, group, nbytes, size=2):
-        """Counts the bytes handed to a collective of `group`, of `size` ranks: a group of one
-        moves nothing (the scripts still call the collective), and is not counted."""
+        """Counts the bytes handed to a collective of `group`, of `size` ranks (of one: none)."""
         if size > 1:
             key = f"{collective}@{group}"
             self.comm[key] = self.comm.get(key, 0) + int(nbytes)
@@ -63,8 +58,7 @@ def adamw(numels):
 
 
 def compute_bytes(args):
-    """Bytes a number of a matmul's output under autocast (common/distributed.py): bf16 or fp32;
-    LayerNorms' and embeddings' outputs, and gradients into fp32 tensors, stay fp32."""
+    """Bytes a number of a matmul's output under autocast (common/distributed.py): bf16 or fp32."""
     return 2 if args.dtype == "bfloat16" else FP32
 
 
@@ -80,10 +74,9 @@ def shapes(fields):
 
 
 def layer_activations(s, b, h, a, mode, dropout, t=1, sp=False, e=FP32):
-    """Bytes one block keeps for backward on the CPU: s positions x b rows, h wide, a heads, TP over
-    t ranks (sp: SP), matmuls' outputs e bytes (compute_bytes). Korthikanti et al. 2022's terms,
-    every fp32 element 4 bytes (CPU's dropout masks too), each LayerNorm's mean and 1/std added,
-    and under bf16 autocast's copies of the weights; derived and measured in test_recompute.py."""
+    """Bytes one block keeps for backward: s positions x b rows, h wide, a heads, TP over t ranks
+    (sp: SP), matmuls' outputs e bytes. Korthikanti et al. 2022's terms, with CPU's 4-byte masks,
+    LayerNorms' mean and 1/std, autocast's bf16 weight copies; measured in test_recompute.py."""
     sbh, sb = s * b * h, s * b
     if mode == "full":  # the block's input alone (SP: its sequence shard)
         return 4 * sbh // (t if sp else 1)
@@ -105,11 +98,9 @@ def layer_activations(s, b, h, a, mode, dropout, t=1, sp=False, e=FP32):
 
 def model_activations(config, args, b, s, blocks, first=True, last=True, t=1, sp=False, vt=1,
                       head=True):
-    """Bytes one micro-batch's forward keeps (what activations.first() measures): `blocks` blocks
-    of b rows x s positions, the embedding's on the first stage (token ids, positions, dropout's
-    mask; the block input is the first block's), the head's on the last: ln_f, the (b*s, vocab/t)
-    logits in the compute dtype, autocast's copy of the head's weight, the loss's fp32 lse and
-    weight and int64 targets."""
+    """Bytes one micro-batch's forward keeps (activations.first() measures it): `blocks` blocks of
+    b rows x s positions, the embedding's on the first stage, the head's and loss's on the last
+    (the logits split by vocabulary over vt ranks)."""
     e, h, n = compute_bytes(args), config.n_embd, b * s
     saved = blocks * layer_activations(s, b, h, config.n_head, args.activation_checkpointing,
                                        config.dropout, t, sp, e)
@@ -123,14 +114,12 @@ def model_activations(config, args, b, s, blocks, first=True, last=True, t=1, sp
     return saved
 
 
-def micro_rows(args, replicas):
-    """A micro-batch's rows on a rank whose data replicas are `replicas` (main()'s micro)."""
+def micro_rows(args, replicas):  # a micro-batch's rows, `replicas` splitting the batch (main's)
     return args.batch_size // replicas // args.grad_accum_steps
 
 
 def saving(rank, config, args, b, s=None, t=1, sp=False, vt=None):
-    """Sets a rank's activations for the whole model, one micro-batch in flight (vt: the logits'
-    vocabulary split, t where not given)."""
+    """A rank's activations: the whole model's, one micro-batch in flight."""
     s = s or args.block_size
     rank.activations = rank.peak_activations = model_activations(
         config, args, b, s, config.n_layer, t=t, sp=sp, vt=t if vt is None else vt)
@@ -150,8 +139,7 @@ def step_flops(config, args, world_size):
 
 def ddp(args, world_size, config):
     """ddp_train.py: every rank holds the whole model and its AdamW state; per step each rank hands
-    its 4P gradient bytes, in buckets, to all-reduces over all ranks (the peer, torch DDP: the
-    same bytes)."""
+    its 4P gradient bytes, in buckets, to all-reduces over all ranks (torch DDP: the same)."""
     numels = [math.prod(shape) for _, shape in parameters(config)]
     rank = Rank(list(range(world_size)), **adamw(numels))
     rank.send("all_reduce", "world", FP32 * sum(numels), world_size)
@@ -162,11 +150,9 @@ def grouped(ranks):
     """Ranks with equal figures as one Rank, in rank order."""
     classes = {}
     for rank in ranks:
-        key = (rank.params, rank.grads, rank.optimizer, tuple(sorted(rank.comm.items())))
-        if key in classes:
-            classes[key].ranks += rank.ranks
-        else:
-            classes[key] = rank
+        key = str([rank.params, rank.grads, rank.optimizer, rank.activations, rank.comm])
+        first = classes.setdefault(key, rank)
+        first.ranks += rank.ranks if first is not rank else []
     return list(classes.values())
 
 
@@ -207,7 +193,13 @@ def sharded(args, world_size, config, reshard):
             rank.send("all_gather", "world", A * gather * (sum(padded) + reshard * blocks))
             rank.send("reduce_scatter", "world", A * FP32 * N * sum(padded))
             rank.send("all_reduce", "world", FP32)  # clip_grad_norm_: the shards' squares
-        ranks.append(saving(rank, config, args, micro_rows(args, N)))
+        saving(rank, config, args, micro_rows(args, N))
+        if custom:  # a matmul saves its weight, a view of its gathered unit: the unit's storage
+            kept = padded[-1:] if args.activation_checkpointing == "full" else padded  # full: root
+            copies = config.n_layer * 24 * config.n_embd**2 + 2 * config.vocab_size * config.n_embd
+            rank.activations += N * gather * sum(kept) - (gather < FP32) * copies  # no bf16 copy
+            rank.peak_activations = rank.activations
+        ranks.append(rank)
     return grouped(ranks)
 
 
@@ -328,8 +320,7 @@ def tensor_parallel(args, world_size, config, overlap=False):
 
 
 def tp_overlap(args, world_size, config):
-    """tp_overlap_train.py: tp_train.py's; --tp_overlap fuses f and g with their matmuls (with SP:
-    rings of sends in place of the collectives)."""
+    """tp_overlap_train.py: tp_train.py's; --tp_overlap fuses f and g into its matmuls' pieces."""
     return tensor_parallel(args, world_size, config, overlap=args.tp_overlap)
 
 
@@ -400,15 +391,15 @@ def pipeline(args, world_size, config, script, head_rows, v=(), vp=()):
 
 
 def tied(rank, config, rows):
-    """sum_tied_gradient (all three scripts): rank 0's wte gradient rows and a rank's copy of them
-    are summed, 4*rows*C bytes from each of the two, once a step (sync: the last micro-step)."""
+    """sum_tied_gradient (all three scripts): rank 0's wte rows and a rank's copy of them, summed
+    once a step."""
     rank.send("all_reduce", "tied", FP32 * rows * config.n_embd)
 
 
 def pp(args, world_size, config, script=None, v=()):
     """pp_train.py: rank r runs stages r, r+p, ... (stage_index); the last stage holds a copy of the
-    tied wte as lm_head, unless it is also the first (one process: one tensor); per micro-batch an
-    activation forward and its gradient back between neighbouring stages."""
+    tied wte as lm_head, unless it is also the first; per micro-batch an activation forward and
+    its gradient back between neighbouring stages."""
     import pp_train
     script = script or pp_train
     last = world_size * args.virtual_stages - 1
@@ -422,16 +413,14 @@ def pp(args, world_size, config, script=None, v=()):
 
 
 def pp_zb(args, world_size, config):
-    """pp_zb_train.py: pp_train.py's layout, or zbv's V (rank r: stages r and 2p-1-r), where rank 0
-    holds wte and the lm_head copy and sums their gradients locally; W actions send nothing."""
+    """pp_zb_train.py: pp_train.py's, or zbv's V (rank r: stages r, 2p-1-r; W sends nothing)."""
     import pp_zb_train
     return pp(args, world_size, config, pp_zb_train, (args.schedule == "zbv",))
 
 
 def pp_vocab(args, world_size, config):
     """pp_vocab_train.py: with --vocab_parallel every rank's first chunk holds vocab/p rows of the
-    lm_head copy (rank 0's too: untied), and every micro-batch adds a vocabulary pass L, on every
-    rank (vocab_pass); without it, pp_train.py's."""
+    lm_head copy (rank 0's too), and each micro-batch adds a vocabulary pass L on every rank."""
     import pp_vocab_train
     if not args.vocab_parallel:
         return pp(args, world_size, config, pp_vocab_train)
@@ -442,8 +431,7 @@ def pp_vocab(args, world_size, config):
         tied(ranks[0], config, vocab // p)
         tied(ranks[r], config, vocab // p)
     loss_rank = pp_vocab_train.stage_rank(p * args.virtual_stages - 1, p)
-    N = args.batch_size // args.grad_accum_steps // M * args.block_size  # a micro-batch's tokens
-    passes = M * args.grad_accum_steps  # vocabulary passes a step
+    N, passes = micro_rows(args, M) * args.block_size, M * args.grad_accum_steps  # tokens, passes
     for r, rank in enumerate(ranks if p > 1 else []):
         if r == loss_rank:  # Pipeline.run's L: the last stage's output h (N, C) fp32 to every rank
             rank.send("broadcast", "vocab", passes * FP32 * N * C)
@@ -488,9 +476,8 @@ def ep(args, world_size, config):
 
 
 def hybrid_stage(config, args, stage):
-    """[(name, numel on a rank)] of stage `stage` (StageGPT): its blocks, wte and wpe on the first,
-    ln_f on the last, 1/tp of the TP-split ones, the head's copy on the last of pp > 1 (the peer
-    with SP also splits wpe: RowwiseParallel)."""
+    """[(name, numel on a rank)] of `stage` (StageGPT): its blocks, wte, wpe on the first, ln_f and
+    the head's copy (pp > 1) on the last, 1/tp of the TP-split ones (the SP peer's wpe too)."""
     from hybrid_train import WTE_NAME, shard_dim
     pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
     first, last, per_stage = stage == 0, stage == pp - 1, config.n_layer // pp
@@ -523,7 +510,8 @@ def hybrid(args, world_size, config):
     mb = A * M  # micro-batches a step
     full, again = args.activation_checkpointing == "full", args.activation_checkpointing != "none"
     # Hybrid.one_f_one_b is pp_train.py's 1F1B (warm-up: the stages after this one): its timetable
-    table = timetable([schedule_actions("1f1b", stage, pp, M) for stage in range(pp)], pp)
+    every = [schedule_actions("1f1b", stage, pp, M) for stage in range(pp)]
+    table = timetable(every, pp)
     ranks = []
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1
@@ -533,7 +521,7 @@ def hybrid(args, world_size, config):
         if pp > 1:  # the idle steps of its row of the timetable
             rank.bubble = table[stage].count(None) / len(table[stage])
         rank.activations = model_activations(config, args, b, Tc, L, first, last, tp, sp, tp)
-        rank.peak_activations = peak_live(schedule_actions("1f1b", stage, pp, M), [rank.activations])
+        rank.peak_activations = peak_live(every[stage], [rank.activations])
         local = FP32 * sum(numel for _, numel in held)
         rank.send("all_reduce", "ppxtp", FP32, pp * tp)  # clip_grad_norm_'s sum of squares
         if pp > 1 and (first or last):  # finish_gradients: the tied wte/lm_head, vocab/tp*C
@@ -573,11 +561,11 @@ PLANS = {"ddp_train.py": ddp, "fsdp_train.py": fsdp, "zero3_train.py": zero3,
          "hybrid_train.py": hybrid}
 
 
-# ---- the command line ----------------------------------------------------------------------------
+# ---- the command line (plan_report.py) ---------------------------------------------------------
 
 def script_args(script, argv, world_size):
-    """The script's own parse and checks (its add_<name>_flags and check_<name>_args, named for the
-    strategy it varies: zero3_tuning's are zero3's): its defaults, and its one line on bad input."""
+    """The script's own parser and checks (add_<name>_flags, check_<name>_args; zero3_tuning's are
+    zero3's): its defaults, and its one line on bad input."""
     name, module = script.split("_")[0], importlib.import_module(script[:-3])
     args = parse_args(name, getattr(module, f"add_{name}_flags"), argv)
     getattr(module, f"check_{name}_args")(args, world_size)
@@ -598,8 +586,7 @@ def plan(script, world_size, argv, nproc_per_node=None):
     return ranks
 
 
-def per_rank(ranks, world_size, key):
-    """One figure of every rank, in rank order."""
+def per_rank(ranks, world_size, key):  # one figure of every rank, in rank order
     by_rank = {r: getattr(rank, key) for rank in ranks for r in rank.ranks}
     return [by_rank.get(r) for r in range(world_size)]
 

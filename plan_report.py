@@ -46,7 +46,7 @@ def between_nodes(rank, axes, nproc_per_node):
     """{collective@group: bytes of it that cross nodes}, the most of the class's ranks: all of a
     collective whose group spans nodes; of a send, its neighbours' share on other nodes."""
     node = lambda r: r // nproc_per_node  # noqa: E731  torchrun: consecutive ranks a node
-    worst = {}
+    worst, rank.sizes = {}, {}  # sizes: each group's ranks
     for key, nbytes in rank.comm.items():
         collective, group = key.split("@")
         for r in rank.ranks:
@@ -156,8 +156,9 @@ def main(argv=None):
     else:
         print(describe(ours.script, ranks, ours.nproc_per_node, ours.nnodes))
     if estimate and not ours.json:
-        print(f"on {ours.gpu} at {ours.efficiency:.0%} of peak: {estimate['step_s'] * 1e3:,.1f} ms a "
-              f"step, {estimate['tokens_per_sec']:,.0f} tokens/s, MFU {estimate['mfu']:.1%}; "
+        print(f"on {ours.gpu} at {ours.efficiency:.0%} of peak: "
+              f"{estimate['step_s'] * 1e3:,.1f} ms a step, {estimate['tokens_per_sec']:,.0f} "
+              f"tokens/s, MFU {estimate['mfu']:.1%}; "
               f"memory {human(estimate['memory'])} of {human(GPUS[ours.gpu][1])} a GPU "
               f"(model state and activations at their peak)"
               + ("" if estimate["fits"] else ": DOES NOT FIT"))
