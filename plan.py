@@ -101,16 +101,15 @@ def model_activations(config, args, b, s, blocks, first=True, last=True, t=1, sp
     """Bytes one micro-batch's forward keeps (activations.first() measures it): `blocks` blocks of
     b rows x s positions, the embedding's on the first stage, the head's and loss's on the last
     (the logits split by vocabulary over vt ranks)."""
-    e, h, n = compute_bytes(args), config.n_embd, b * s
+    e, h, n, V = compute_bytes(args), config.n_embd, b * s, config.vocab_size
     saved = blocks * layer_activations(s, b, h, config.n_head, args.activation_checkpointing,
                                        config.dropout, t, sp, e)
     if first:  # int64 ids (b, s) and positions (s); the embedding dropout's fp32 mask
         saved += 8 * n + 8 * s + (config.dropout > 0) * 4 * n * h
     if last:  # ln_f's fp32 input, mean and 1/std (no head: a vocabulary pass's, held by none)
         saved += 4 * n * h + 8 * n
-    if last and head:  # ln_f's output and the logits in e bytes; the loss's fp32 lse, weight
-        saved += e * n * h + e * n * config.vocab_size // vt + 16 * n
-        saved += 2 * config.vocab_size * h // vt if e < FP32 else 0
+    if last and head:  # ln_f's output, the logits (e bytes), the loss's lse, weight; bf16 head
+        saved += e * n * h + e * n * V // vt + 16 * n + (e < FP32) * 2 * V * h // vt
     return saved
 
 
@@ -196,7 +195,8 @@ def sharded(args, world_size, config, reshard):
         saving(rank, config, args, micro_rows(args, N))
         if custom:  # a matmul saves its weight, a view of its gathered unit: the unit's storage
             kept = padded[-1:] if args.activation_checkpointing == "full" else padded  # full: root
-            copies = config.n_layer * 24 * config.n_embd**2 + 2 * config.vocab_size * config.n_embd
+            copies = (kept is padded) * config.n_layer * 24 * config.n_embd**2  # the blocks'
+            copies += 2 * config.vocab_size * config.n_embd  # and the head's
             rank.activations += N * gather * sum(kept) - (gather < FP32) * copies  # no bf16 copy
             rank.peak_activations = rank.activations
         ranks.append(rank)
