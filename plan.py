@@ -73,10 +73,11 @@ def shapes(fields):
     return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
 
 
-def layer_activations(s, b, h, a, mode, dropout, t=1, sp=False, e=FP32):
+def layer_activations(s, b, h, a, mode, dropout, t=1, sp=False, e=FP32, copies=True):
     """Bytes one block keeps for backward: s positions x b rows, h wide, a heads, TP over t ranks
     (sp: SP), matmuls' outputs e bytes. Korthikanti et al. 2022's terms, with CPU's 4-byte masks,
-    LayerNorms' mean and 1/std, autocast's bf16 weight copies; measured in test_recompute.py."""
+    LayerNorms' mean and 1/std, autocast's bf16 weight copies (of fp32 weights: `copies`);
+    measured in test_recompute.py."""
     sbh, sb = s * b * h, s * b
     if mode == "full":  # the block's input alone (SP: its sequence shard)
         return 4 * sbh // (t if sp else 1)
@@ -86,7 +87,7 @@ def layer_activations(s, b, h, a, mode, dropout, t=1, sp=False, e=FP32):
     else:  # whole: the LayerNorms' inputs (fp32) and outputs, the masks; split: qkv, y, fc, gelu
         whole, split = (8 + 2 * e) * sbh + masks, 12 * e * sbh // t
     norms = 16 * sb // (t if sp else 1)  # each LayerNorm's mean and 1/std, 2 x 4 bytes a position
-    weights = 24 * h * h // t if e < FP32 else 0  # autocast's bf16 copies of the 12h^2 weights
+    weights = 24 * h * h // t if e < FP32 and copies else 0  # bf16 copies of the 12h^2 weights
     if mode == "selective":  # the attention core is recomputed: nothing of it kept
         core = 0
     elif dropout:  # SDPA's math path: the s x s scores, probabilities and the dropout's mask
@@ -97,19 +98,19 @@ def layer_activations(s, b, h, a, mode, dropout, t=1, sp=False, e=FP32):
 
 
 def model_activations(config, args, b, s, blocks, first=True, last=True, t=1, sp=False, vt=1,
-                      head=True):
+                      head=True, copies=True):
     """Bytes one micro-batch's forward keeps (activations.first() measures it): `blocks` blocks of
     b rows x s positions, the embedding's on the first stage, the head's and loss's on the last
     (the logits split by vocabulary over vt ranks)."""
     e, h, n, V = compute_bytes(args), config.n_embd, b * s, config.vocab_size
     saved = blocks * layer_activations(s, b, h, config.n_head, args.activation_checkpointing,
-                                       config.dropout, t, sp, e)
+                                       config.dropout, t, sp, e, copies)
     if first:  # int64 ids (b, s) and positions (s); the embedding dropout's fp32 mask
         saved += 8 * n + 8 * s + (config.dropout > 0) * 4 * n * h
     if last:  # ln_f's fp32 input, mean and 1/std (no head: a vocabulary pass's, held by none)
         saved += 4 * n * h + 8 * n
     if last and head:  # ln_f's output, the logits (e bytes), the loss's lse, weight; bf16 head
-        saved += e * n * h + e * n * V // vt + 16 * n + (e < FP32) * 2 * V * h // vt
+        saved += e * n * h + e * n * V // vt + 16 * n + (e < FP32 and copies) * 2 * V * h // vt
     return saved
 
 
@@ -117,11 +118,11 @@ def micro_rows(args, replicas):  # a micro-batch's rows, `replicas` splitting th
     return args.batch_size // replicas // args.grad_accum_steps
 
 
-def saving(rank, config, args, b, s=None, t=1, sp=False, vt=None):
+def saving(rank, config, args, b, s=None, t=1, sp=False, vt=None, copies=True):
     """A rank's activations: the whole model's, one micro-batch in flight."""
-    s = s or args.block_size
+    s, vt = s or args.block_size, t if vt is None else vt
     rank.activations = rank.peak_activations = model_activations(
-        config, args, b, s, config.n_layer, t=t, sp=sp, vt=t if vt is None else vt)
+        config, args, b, s, config.n_layer, t=t, sp=sp, vt=vt, copies=copies)
     return rank
 
 
@@ -192,12 +193,10 @@ def sharded(args, world_size, config, reshard):
             rank.send("all_gather", "world", A * gather * (sum(padded) + reshard * blocks))
             rank.send("reduce_scatter", "world", A * FP32 * N * sum(padded))
             rank.send("all_reduce", "world", FP32)  # clip_grad_norm_: the shards' squares
-        saving(rank, config, args, micro_rows(args, N))
-        if custom:  # a matmul saves its weight, a view of its gathered unit: the unit's storage
-            kept = padded[-1:] if args.activation_checkpointing == "full" else padded  # full: root
-            copies = (kept is padded) * config.n_layer * 24 * config.n_embd**2  # the blocks'
-            copies += 2 * config.vocab_size * config.n_embd  # and the head's
-            rank.activations += N * gather * sum(kept) - (gather < FP32) * copies  # no bf16 copy
+        saving(rank, config, args, micro_rows(args, N), copies=not custom)
+        if custom:  # a matmul saves its weight, gathered in the compute dtype: a view of its unit,
+            kept = padded[-1:] if args.activation_checkpointing == "full" else padded  # whose
+            rank.activations += N * gather * sum(kept)  # storage counts whole (full: the root's)
             rank.peak_activations = rank.activations
         ranks.append(rank)
     return grouped(ranks)
@@ -366,7 +365,7 @@ def pipeline(args, world_size, config, script, head_rows, v=(), vp=()):
     p, V, C, M = world_size, args.virtual_stages, config.n_embd, args.n_microbatches
     every = [script.schedule_actions(args.schedule, r, p, M, V, *vp) for r in range(p)]
     table = script.timetable(every, p * V, *v)  # Pipeline.__init__'s: every rank's, one clock
-    rows = args.batch_size // args.grad_accum_steps // M  # a micro-batch's
+    rows = micro_rows(args, M)  # a micro-batch's
     ranks = []
     for r in range(p):
         numels, sizes = [], []  # sizes: what a micro-batch's forward through each chunk saves
@@ -505,7 +504,7 @@ def hybrid(args, world_size, config):
     dp, pp = args.data_parallel_size, args.pipeline_parallel_size
     cp, tp, sp = args.context_parallel_size, args.tensor_parallel_size, args.sequence_parallel
     A, M, C, V = args.grad_accum_steps, args.n_microbatches, config.n_embd, config.vocab_size
-    b, Tc, L = args.batch_size // (dp * A * M), args.block_size // cp, config.n_layer // pp
+    b, Tc, L = micro_rows(args, dp * M), args.block_size // cp, config.n_layer // pp
     act, s = b * Tc * C, compute_bytes(args)  # one activation at my CP positions, whole over TP
     mb = A * M  # micro-batches a step
     full, again = args.activation_checkpointing == "full", args.activation_checkpointing != "none"

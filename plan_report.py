@@ -83,6 +83,18 @@ RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n 
         "all_gather": lambda n: n - 1, "all_to_all": lambda n: (n - 1) / n}
 
 
+def hidden_behind_compute(script, args):
+    """HIDDEN's collectives of the script, with ZeRO-3's prefetched broadcasts (--stage 3) and
+    tp_overlap's f and g (--tp_overlap)."""
+    name = script.split("_")[0]
+    hidden = list(HIDDEN.get(name, []))
+    if name == "zero3" and args.stage == 3:
+        hidden.append("broadcast@world")
+    if getattr(args, "tp_overlap", False):
+        hidden += ["send@tp", "all_reduce@tp", "all_gather@tp", "reduce_scatter@tp"]
+    return hidden
+
+
 def step_time(script, args, rank, gpu, efficiency):
     """A rank's step in seconds: its hardware FLOPs at `efficiency` of the GPU's peak, plus the
     communication it does not hide (the hidden only where it outlasts the compute), stretched by
@@ -90,11 +102,7 @@ def step_time(script, args, rank, gpu, efficiency):
     nodes at the network's."""
     peak, _, nvlink, network = GPUS[gpu]
     compute = rank.flops[1] / (peak * efficiency)
-    name = script.split("_")[0]
-    hidden = HIDDEN.get(name, []) + (["broadcast@world"] if name == "zero3" and args.stage == 3
-                                     else []) + (["send@tp", "all_reduce@tp", "all_gather@tp",
-                                                  "reduce_scatter@tp"] if getattr(args,
-                                                  "tp_overlap", False) else [])
+    hidden = hidden_behind_compute(script, args)
     exposed = behind = 0.0
     for key, nbytes in rank.comm.items():
         ring = RING.get(key.split("@")[0], lambda n: 1)(rank.sizes[key])

@@ -109,9 +109,10 @@ def check_plan(script, argv, out_dir):
     if "pytorch" in argv:  # the peers' activations are torch's schedules' and policies': not planned
         return
     peak = summary[-1].get("peak_activation_bytes_per_rank")  # a pipeline's: the schedule's most held
-    if peak and peak != plan.per_rank(ranks, len(logged), "peak_activations"):
-        raise AssertionError(f"plan.py {script} {' '.join(argv)}: activations at the peak per rank "
-                             f"{plan.per_rank(ranks, len(logged), 'peak_activations')}, the run logged {peak}")
+    planned = plan.per_rank(ranks, len(logged), "peak_activations")
+    if peak and peak != planned:
+        raise AssertionError(f"plan.py {script} {' '.join(argv)}: activations at the peak per rank {planned}, "
+                             f"the run logged {peak}")
     saved = summary[-1].get("saved_activation_bytes_per_rank") or []  # one micro-batch's forward
     for predicted, measured in zip(plan.per_rank(ranks, len(logged), "activations"), saved):
         if measured is not None and abs(predicted - measured) > 0.05 * measured:
