@@ -10,8 +10,8 @@ rank receives the mean over ranks of its own shard. The next unit's all-gather s
 (prefetch) and up to two reduce-scatters run while backward goes on. The root stays gathered
 through backward, like FSDP2's.
   memory per rank:  16P/N bytes (params, grads, AdamW state: all sharded) + the gathered units
-  communication:    all-gather 4P bytes (forward), all-gather 4P (backward), reduce-scatter 4P of
-                    gradients, each (N-1)/N of them per rank: 1.5x DDP's all-reduce. Accumulation
+  communication:    all-gather 4P (forward), all-gather 4P_blocks (backward), reduce-scatter 4P of
+                    gradients, each (N-1)/N of them per rank: <1.5x DDP's all-reduce. Accumulation
                     reduce-scatters every micro-step (A x that, but 4P/N gradient bytes held, not
                     4P). --dtype bfloat16 gathers bf16 (half the bytes), reduce-scatters fp32.
 

@@ -7,16 +7,16 @@ The script's flags go through its own parser and checks. Per class of equal rank
 collective per step by process group (the logged loss's average left out), a pipeline's bubble
 from its own timetable, and the FLOPs: each strategy's formulas in one function, in the README's
 order, each line with where it comes from. tests/runs.py checks them after every run the suite
-makes. plan_report.py prints them, splits the bytes by node and estimates the time on a GPU.
+makes. plan_report.py prints them, splits the bytes by node and estimates the time on a GPU;
+plan_search.py (--search) ranks every script and layout on a cluster by that time.
 """
 import functools
-import importlib
 import itertools
 import math
 import sys
 from dataclasses import dataclass, field
 
-from common.config import gpt_config, parse_args
+from common.config import gpt_config
 from common.metrics import flops_per_token
 from common.model import GPT, GPTConfig
 from common.schedule_report import peak_live
@@ -126,13 +126,20 @@ def saving(rank, config, args, b, s=None, t=1, sp=False, vt=None, copies=True):
     return rank
 
 
+@functools.lru_cache
+def token_flops(fields):  # flops_per_token builds the model (on meta): once a model
+    return flops_per_token(GPTConfig(**dict(fields)))
+
+
 def step_flops(config, args, world_size):
     """The step's FLOPs a rank, split evenly: the model's, as MFU counts them (flops_per_token), and
-    the hardware's, with the recomputed forward (2 of the 6) of --activation_checkpointing full."""
-    tokens = args.batch_size * args.block_size
-    model = flops_per_token(config) * tokens / world_size
-    recompute = 1 + (args.activation_checkpointing == "full") / 3
-    return model, model * recompute
+    the hardware's, with what backward recomputes: full, the forward (2 of the 6 a parameter, and a
+    third of the attention's); selective, the attention core's forward (4LCT of its 12LCT)."""
+    tokens, per_token = args.batch_size * args.block_size, token_flops(tuple(vars(config).items()))
+    attention = 4 * config.n_layer * config.n_embd * args.block_size  # its core's forward a token
+    again = {"full": per_token / 3, "selective": attention}
+    hardware = per_token + again.get(args.activation_checkpointing, 0)
+    return per_token * tokens / world_size, hardware * tokens / world_size
 
 
 # ---- the strategies, in the README's order -----------------------------------------------------
@@ -202,10 +209,6 @@ def sharded(args, world_size, config, reshard):
     return grouped(ranks)
 
 
-def fsdp(args, world_size, config):
-    return sharded(args, world_size, config, args.reshard_after_forward)
-
-
 def zero_redundancy(shapes, world_size):
     """torch's ZeroRedundancyOptimizer._partition_parameters: per param group (decayed, then not),
     the largest tensor first onto the least-loaded rank (the lowest on ties): {name: owner}."""
@@ -228,17 +231,21 @@ def zero3(args, world_size, config, threshold=0, reuse=math.inf):
         return sharded(args, world_size, config, reshard=True)
     shapes = dict(parameters(config))
     sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+    fill = min(N, len(sizes))  # both greedy: with a rank a tensor, each takes a fresh rank
     if args.implementation == "pytorch":  # --stage 1: DDP + ZeroRedundancyOptimizer
-        owner = zero_redundancy(shapes, N)
+        owner = zero_redundancy(shapes, fill)
     else:
-        owner, _ = partition(shapes.items(), N, threshold)
-    kept = {r: [] for r in [None, *range(N)]}  # None: the persistent tensors, kept by every rank
+        owner, _ = partition(shapes.items(), fill, threshold)
+    kept = {None: []}  # None: the persistent tensors, kept by every rank
     for name, n in sizes.items():
-        kept[owner[name]].append(n)
+        kept.setdefault(owner[name], []).append(n)
     P, part = sum(sizes.values()), sum(sizes.values()) - sum(kept[None])
-    ranks = []
+    owners = {}  # the ranks that keep the same tensors: one Rank
     for r in range(N):
-        rank = Rank([r], **adamw(kept[None] + kept[r]))
+        owners.setdefault(tuple(kept.get(r, [])), []).append(r)
+    ranks = []
+    for own, members in owners.items():
+        rank = Rank(members, **adamw(kept[None] + list(own)))
         if stage < 3:  # ZeRO1.build_model: the whole model on every rank
             rank.params = FP32 * P
         if stage == 1:  # GradientBuckets (the peer: DDP's): every gradient
@@ -268,10 +275,6 @@ def comm(rank, args, stage, A, sizes, owner, P, part, reuse):
     reused = part - wte <= reuse
     element = compute_bytes(args)  # bf16: stage 3 computes in (fetches) bf16
     rank.send("broadcast", "world", A * element * (2 * part - wpe - reused * wte))
-
-
-def zero3_tuning(args, world_size, config):
-    return zero3(args, world_size, config, args.persistence_threshold, args.max_reuse_distance)
 
 
 def tensor_parallel(args, world_size, config, overlap=False):
@@ -316,11 +319,6 @@ def tensor_parallel(args, world_size, config, overlap=False):
     rank.send("all_reduce", "dp", FP32 * sum(numels), D)  # sum_over_dp: every local gradient
     rank.send("all_reduce", "tp", FP32, tp)  # clip_grad_norm_: the shards' squares
     return [saving(rank, config, args, b, t=tp, sp=sp, vt=tp if args.loss_parallel else 1)]
-
-
-def tp_overlap(args, world_size, config):
-    """tp_overlap_train.py: tp_train.py's; --tp_overlap fuses f and g into its matmuls' pieces."""
-    return tensor_parallel(args, world_size, config, overlap=args.tp_overlap)
 
 
 def context_parallel(args, world_size, config):
@@ -390,8 +388,7 @@ def pipeline(args, world_size, config, script, head_rows, v=(), vp=()):
 
 
 def tied(rank, config, rows):
-    """sum_tied_gradient (all three scripts): rank 0's wte rows and a rank's copy of them, summed
-    once a step."""
+    """sum_tied_gradient (the pipelines'): rank 0's wte rows and a rank's copy, summed a step."""
     rank.send("all_reduce", "tied", FP32 * rows * config.n_embd)
 
 
@@ -474,33 +471,45 @@ def ep(args, world_size, config):
     return [saving(rank, config, args, micro_rows(args, world_size))]
 
 
-def hybrid_stage(config, args, stage):
-    """[(name, numel on a rank)] of `stage` (StageGPT): its blocks, wte, wpe on the first, ln_f and
-    the head's copy (pp > 1) on the last, 1/tp of the TP-split ones (the SP peer's wpe too)."""
+@functools.lru_cache
+def hybrid_stages(fields, pp, tp, split_wpe):
+    """[(name, numel on a rank)] of each stage (StageGPT): its blocks, wte, wpe on the first, ln_f
+    and the head's copy (pp > 1) on the last, 1/tp of the TP-split ones (the SP peer's wpe too)."""
     from hybrid_train import WTE_NAME, shard_dim
-    pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
-    first, last, per_stage = stage == 0, stage == pp - 1, config.n_layer // pp
-    split_wpe = args.implementation == "pytorch" and args.sequence_parallel
-    held = []
+    config, stages = GPTConfig(**dict(fields)), [[] for _ in range(pp)]
     for name, shape in parameters(config):
         if name.startswith("transformer.h."):
-            on = int(name.split(".")[2]) // per_stage == stage
+            stage = int(name.split(".")[2]) // (config.n_layer // pp)
         else:
-            on = first if name.startswith(("transformer.wte", "transformer.wpe")) else last
+            stage = 0 if name.startswith(("transformer.wte", "transformer.wpe")) else pp - 1
         split = shard_dim(name) is not None or (split_wpe and "wpe" in name)
-        if on:
-            held.append((name, math.prod(shape) // (tp if split else 1)))
-    if last and pp > 1:
-        held.append(("lm_head.weight", math.prod(dict(parameters(config))[WTE_NAME]) // tp))
-    return held
+        stages[stage].append((name, math.prod(shape) // (tp if split else 1)))
+    if pp > 1:
+        stages[-1].append(("lm_head.weight", math.prod(dict(parameters(config))[WTE_NAME]) // tp))
+    return stages
+
+
+@functools.lru_cache(maxsize=64)
+def stage_ranks(dp, pp, cp, tp):  # each stage's ranks (hybrid_train.py's rank_grid), rank order
+    from hybrid_train import rank_grid
+    return [rank_grid(dp, pp, cp, tp)[:, stage].flatten().tolist() for stage in range(pp)]
+
+
+@functools.lru_cache
+def one_f_one_b(pp, M):
+    """Hybrid.one_f_one_b is pp_train.py's 1F1B (warm-up: the stages after this one): each stage's
+    idle share of its timetable, and the most micro-batches it holds at once."""
+    from pp_train import schedule_actions, timetable
+    every = [schedule_actions("1f1b", stage, pp, M) for stage in range(pp)]
+    return [(row.count(None) / len(row), peak_live(actions))
+            for row, actions in zip(timetable(every, pp), every)]
 
 
 def hybrid(args, world_size, config):
     """hybrid_train.py: each stage's ranks alike; per axis, the collectives its docstring lists, the
     matmuls' outputs (g's forward, the ring's K, V) in the compute dtype, the rest fp32. The peer:
     the same state; of its traffic, only its hand-written gradient sums and the norm's."""
-    from hybrid_train import rank_grid, shard_dim
-    from pp_train import schedule_actions, timetable
+    from hybrid_train import shard_dim
     dp, pp = args.data_parallel_size, args.pipeline_parallel_size
     cp, tp, sp = args.context_parallel_size, args.tensor_parallel_size, args.sequence_parallel
     A, M, C, V = args.grad_accum_steps, args.n_microbatches, config.n_embd, config.vocab_size
@@ -508,19 +517,15 @@ def hybrid(args, world_size, config):
     act, s = b * Tc * C, compute_bytes(args)  # one activation at my CP positions, whole over TP
     mb = A * M  # micro-batches a step
     full, again = args.activation_checkpointing == "full", args.activation_checkpointing != "none"
-    # Hybrid.one_f_one_b is pp_train.py's 1F1B (warm-up: the stages after this one): its timetable
-    every = [schedule_actions("1f1b", stage, pp, M) for stage in range(pp)]
-    table = timetable(every, pp)
-    ranks = []
-    for stage in range(pp):
-        first, last = stage == 0, stage == pp - 1
-        held = hybrid_stage(config, args, stage)
-        rank = Rank(rank_grid(dp, pp, cp, tp)[:, stage].flatten().tolist(),
-                    **adamw(numel for _, numel in held))
-        if pp > 1:  # the idle steps of its row of the timetable
-            rank.bubble = table[stage].count(None) / len(table[stage])
+    stages = hybrid_stages(tuple(vars(config).items()), pp, tp,
+                           args.implementation == "pytorch" and sp)
+    grid, ranks = stage_ranks(dp, pp, cp, tp), []
+    for stage, (idle, in_flight) in enumerate(one_f_one_b(pp, M)):
+        first, last, held = stage == 0, stage == pp - 1, stages[stage]
+        rank = Rank(list(grid[stage]), **adamw(numel for _, numel in held))
+        rank.bubble = idle if pp > 1 else None  # the idle steps of its row of the timetable
         rank.activations = model_activations(config, args, b, Tc, L, first, last, tp, sp, tp)
-        rank.peak_activations = peak_live(every[stage], [rank.activations])
+        rank.peak_activations = in_flight * rank.activations
         local = FP32 * sum(numel for _, numel in held)
         rank.send("all_reduce", "ppxtp", FP32, pp * tp)  # clip_grad_norm_'s sum of squares
         if pp > 1 and (first or last):  # finish_gradients: the tied wte/lm_head, vocab/tp*C
@@ -553,28 +558,24 @@ def hybrid(args, world_size, config):
     return ranks
 
 
-PLANS = {"ddp_train.py": ddp, "fsdp_train.py": fsdp, "zero3_train.py": zero3,
-         "zero3_tuning_train.py": zero3_tuning, "tp_train.py": tensor_parallel,
-         "tp_overlap_train.py": tp_overlap, "cp_train.py": context_parallel, "pp_train.py": pp,
-         "pp_vocab_train.py": pp_vocab, "pp_zb_train.py": pp_zb, "ep_train.py": ep,
-         "hybrid_train.py": hybrid}
+PLANS = {"ddp_train.py": ddp,
+         "fsdp_train.py": lambda args, n, c: sharded(args, n, c, args.reshard_after_forward),
+         "zero3_train.py": zero3,
+         "zero3_tuning_train.py": lambda args, n, c: zero3(args, n, c, args.persistence_threshold,
+                                                           args.max_reuse_distance),
+         "tp_train.py": tensor_parallel,  # and tp_overlap_train.py's, its f and g in pieces:
+         "tp_overlap_train.py": lambda args, n, c: tensor_parallel(args, n, c, args.tp_overlap),
+         "cp_train.py": context_parallel, "pp_train.py": pp, "pp_vocab_train.py": pp_vocab,
+         "pp_zb_train.py": pp_zb, "ep_train.py": ep, "hybrid_train.py": hybrid}
 
 
 # ---- the command line (plan_report.py) ---------------------------------------------------------
 
-def script_args(script, argv, world_size):
-    """The script's own parser and checks (add_<name>_flags, check_<name>_args; zero3_tuning's are
-    zero3's): its defaults, and its one line on bad input."""
-    name, module = script.split("_")[0], importlib.import_module(script[:-3])
-    args = parse_args(name, getattr(module, f"add_{name}_flags"), argv)
-    getattr(module, f"check_{name}_args")(args, world_size)
-    return args
-
-
-def plan(script, world_size, argv, nproc_per_node=None):
-    """Each rank's figures (a list of Rank), for `script` run on world_size ranks with argv."""
+def plan(script, world_size, argv, nproc_per_node=None, args=None):
+    """Each rank's figures (a list of Rank), for `script` run on world_size ranks with argv (args:
+    its parsed flags, when the caller has them)."""
     import plan_report  # where the ranks sit: which of their bytes cross nodes
-    args = script_args(script, argv, world_size)
+    args = args or plan_report.script_args(script, argv, world_size)
     config = gpt_config(args)
     ranks = PLANS[script](args, world_size, config)
     flops = step_flops(config, args, world_size)  # split evenly: the same on every rank

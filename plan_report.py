@@ -4,12 +4,25 @@ step's time on a GPU.
     python plan.py --nproc_per_node 8 --nnodes 2 --gpu h100 fsdp_train.py --preset gpt2
 """
 import argparse
+import importlib
 import json
 import math
 import sys
 from dataclasses import asdict
 
+import numpy as np
+
 import plan
+from common.config import parse_args
+
+
+def script_args(script, argv, world_size):
+    """The script's own parser and checks (add_<name>_flags, check_<name>_args; zero3_tuning's are
+    zero3's): its defaults, and its one line on bad input."""
+    name, module = script.split("_")[0], importlib.import_module(script[:-3])
+    args = parse_args(name, getattr(module, f"add_{name}_flags"), argv)
+    getattr(module, f"check_{name}_args")(args, world_size)
+    return args
 
 
 def grid_axes(script, args, world_size):
@@ -25,38 +38,49 @@ def grid_axes(script, args, world_size):
     return [("pp" if name == "pp" else "world", world_size)]
 
 
-def group_of(group, rank, axes):
-    """(size, ends, neighbours) of `rank`'s group (axes joined by 'x'; 'world'; 'tied': the same
-    place at the first and last pp stage): its lowest and highest ranks, which share a node only
-    when all its ranks do; the ranks before and after it along its axis (a ring's, a pipeline's)."""
-    names, sizes = zip(*axes)
-    coords = [rank // math.prod(sizes[i + 1:]) % n for i, n in enumerate(sizes)]
-    at = lambda **set_: sum(set_.get(a, c) * math.prod(sizes[i + 1:])  # noqa: E731
-                            for i, (a, c) in enumerate(zip(names, coords)))
-    if group == "tied":
-        return 2, [rank, at(pp=0), at(pp=sizes[names.index("pp")] - 1)], []
-    free = names if group in ("world", "vocab") else group.split("x")
-    ends = [at(**{a: 0 for a in free}), at(**{a: sizes[names.index(a)] - 1 for a in free})]
-    i, n = coords[names.index(free[0])], sizes[names.index(free[0])]
-    neighbours = [at(**{free[0]: j % n}) for j in (i - 1, i + 1) if group != "pp" or 0 <= j < n]
-    return math.prod(sizes[names.index(a)] for a in free), ends, neighbours
-
-
 def between_nodes(rank, axes, nproc_per_node):
-    """{collective@group: bytes of it that cross nodes}, the most of the class's ranks: all of a
-    collective whose group spans nodes; of a send, its neighbours' share on other nodes."""
-    node = lambda r: r // nproc_per_node  # noqa: E731  torchrun: consecutive ranks a node
-    worst, rank.sizes = {}, {}  # sizes: each group's ranks
+    """{collective@group: bytes of it that cross nodes}, the most of the class's ranks; sets
+    rank.sizes, each group's ranks. Each group's share is computed once for a class of ranks (a
+    search plans a layout's classes again for each variant), a class known by its size, ends and
+    sum: each of plan.py's (all ranks, one, a hybrid stage's, ZeRO's owners of world groups)."""
+    worst, rank.sizes, members, r = {}, {}, rank.ranks, None
+    known = (tuple(axes), nproc_per_node, len(members), members[0], members[-1], sum(members))
     for key, nbytes in rank.comm.items():
-        collective, group = key.split("@")
-        for r in rank.ranks:
-            size, ends, neighbours = group_of(group, r, axes)
-            rank.sizes[key] = size
-            peers = neighbours if collective == "send" else ends
-            share = sum(node(p) != node(r) for p in peers) / len(peers)
-            share = share if collective == "send" else float(share > 0)
-            worst[key] = max(worst.get(key, 0), int(share * nbytes))
+        if (known, key) not in CROSSING:
+            r = np.array(members) if r is None else r
+            CROSSING[known, key] = crossing(axes, nproc_per_node, *key.split("@"), r)
+        rank.sizes[key], share = CROSSING[known, key]
+        worst[key] = int(share * nbytes)
     return worst
+
+
+CROSSING = {}  # (class, collective@group): crossing()'s
+
+
+def crossing(axes, nproc_per_node, collective, group, r):
+    """(the group's size, the most of its bytes that cross nodes from any of the ranks r). A group
+    (axes joined by 'x'; 'world'; 'tied': the same place at the first and last pp stage) crosses
+    when its lowest and highest ranks are on two nodes (torchrun: consecutive ranks a node), and
+    then all its bytes do; a send's, the share of its neighbours along the axis (a ring's two, a
+    pipeline's one or two) on another node."""
+    names, sizes = zip(*axes)
+    stride = {a: math.prod(sizes[i + 1:]) for i, a in enumerate(names)}
+    size = dict(axes)
+    free = names if group in ("world", "vocab") else ["pp"] if group == "tied" else \
+        group.split("x")
+    coord = {a: r // stride[a] % size[a] for a in free}  # each rank's place on the group's axes
+    node = lambda x: x // nproc_per_node  # noqa: E731
+    group_size = 2 if group == "tied" else math.prod(size[a] for a in free)
+    if collective == "send":  # along the group's first axis: a ring wraps, a pipeline ends
+        a = free[0]
+        near = [(coord[a] + step) % size[a] for step in (-1, 1)]
+        real = [(coord[a] + step == n) | (group != "pp") for step, n in zip((-1, 1), near)]
+        cross = sum(ok & (node(r + (n - coord[a]) * stride[a]) != node(r))
+                    for ok, n in zip(real, near))
+        return group_size, float((cross / sum(real)).max())
+    low = r - sum(coord[a] * stride[a] for a in free)
+    high = low + sum((size[a] - 1) * stride[a] for a in free)
+    return group_size, float((node(low) != node(high)).max())
 
 
 # ---- time on a GPU ------------------------------------------------------------------------------
@@ -153,9 +177,14 @@ def main(argv=None):
     p.add_argument("--efficiency", type=float, default=0.5,
                    help="the fraction of the GPU's peak FLOP/s its matmuls reach (0.5)")
     argv = sys.argv[1:] if argv is None else argv
+    if "--search" in argv:  # every script and layout: plan_search.py
+        import plan_search
+        return plan_search.main(argv)
     at = next((i + 1 for i, arg in enumerate(argv) if arg.endswith("_train.py")), len(argv))
     ours, theirs = p.parse_args(argv[:at]), argv[at:]  # plan.py's flags, then the script's
     world_size = ours.nproc_per_node * ours.nnodes
+    if ours.gpu and "--dtype" not in theirs:  # the script's default on these GPUs
+        theirs = theirs + ["--dtype", "bfloat16"]
     ranks = plan.plan(ours.script, world_size, theirs, ours.nproc_per_node)
     estimate = ours.gpu and timing(ours, theirs, ranks, world_size)
     if ours.json:
@@ -174,14 +203,19 @@ def main(argv=None):
 
 
 def timing(ours, argv, ranks, world_size):
-    """The job's step: its slowest rank's; tokens/s and MFU from it."""
-    args = plan.script_args(ours.script, argv, world_size)
-    step = max(step_time(ours.script, args, rank, ours.gpu, ours.efficiency) for rank in ranks)
+    args = script_args(ours.script, argv, world_size)
+    return estimate(ours.script, args, ranks, ours.gpu, ours.efficiency, world_size)
+
+
+def estimate(script, args, ranks, gpu, efficiency, world_size):
+    """The job's step: its slowest rank's; tokens/s and MFU from it; the most memory a rank holds
+    (model state and activations at their peak) and whether it fits the GPU's."""
+    step = max(step_time(script, args, rank, gpu, efficiency) for rank in ranks)
     model_flops = sum(rank.flops[0] * len(rank.ranks) for rank in ranks)
     memory = max(rank.model_state + rank.peak_activations for rank in ranks)
     return dict(step_s=step, tokens_per_sec=args.batch_size * args.block_size / step,
-                mfu=model_flops / (step * GPUS[ours.gpu][0] * world_size), memory=memory,
-                fits=memory <= GPUS[ours.gpu][1])
+                mfu=model_flops / (step * GPUS[gpu][0] * world_size), memory=memory,
+                fits=memory <= GPUS[gpu][1])
 
 
 if __name__ == "__main__":

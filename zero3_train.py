@@ -7,7 +7,7 @@ the least-loaded rank: no rank owns more than P/N + the largest tensor (P_own: a
 Memory per rank, fp32 (AdamW state: 8 bytes an element):
   stage 1:  4P params + 4P grads + 8P_own.
   stage 2:  4P params + 4P_own grads + 8P_own + the non-owned gradients in flight: <= 25 MiB.
-  stage 3:  16P/N (owned params, grads, AdamW state) + the non-owned tensors fetched at the moment.
+  stage 3:  16P_own (its params, grads, AdamW state) + the non-owned tensors fetched at the moment.
 What moves, per step of A micro-steps (bytes each rank hands to the collectives):
   stage 1:  the gradients' flat buffers all-reduced after the step's last backward, as DDP's
             (4P); AdamW steps the owned tensors only, then each owner broadcasts them (4P, one

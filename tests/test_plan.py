@@ -3,7 +3,9 @@ checked elsewhere, against what runs measure: the model state after every run th
 check_plan, called by conftest.launch too), the bytes of each collective in the ledgers of test_fsdp.py,
 test_zero3.py, test_tp.py, test_cp.py, test_pp.py, test_hybrid.py and test_ep.py, a block's saved activations in
 test_recompute.py."""
+import itertools
 import json
+import re
 
 import pytest
 
@@ -45,7 +47,8 @@ def test_bytes_between_nodes_are_those_of_groups_that_span_nodes():
     node, as torchrun numbers them); a pipeline's send only where a neighbouring stage is on another node."""
     def between(script, nproc, nnodes, *flags):
         ranks = plan.plan(script, nproc * nnodes, list(flags), nproc)
-        return {r: {key: (rank.comm[key], rank.between[key]) for key in rank.comm} for rank in ranks for r in rank.ranks}
+        return {r: {key: (rank.comm[key], rank.between[key]) for key in rank.comm}
+                for rank in ranks for r in rank.ranks}
     tp = between("tp_train.py", 4, 2, "--tensor_parallel_size", "4", "--data_parallel_size", "2")
     for r in range(8):  # the TP group is a node, the DP pair spans two
         assert tp[r]["all_reduce@tp"][1] == 0 and tp[r]["all_reduce@dp"][1] == tp[r]["all_reduce@dp"][0] > 0
@@ -87,3 +90,70 @@ def test_gpu_time_is_compute_at_the_efficiency_plus_what_is_not_hidden(capsys):
     with pytest.raises(SystemExit) as stop:
         plan.main(["--gpu", "tpu", "ddp_train.py"])
     assert stop.value.code == 2 and "--gpu: invalid choice: 'tpu'" in capsys.readouterr().err
+
+
+SEARCH = ["--search", "--nproc_per_node", "2", "--nnodes", "2", "--gpu", "tiny", "--global_batch_tokens", "4096"]
+
+
+@pytest.fixture
+def tiny_gpu(monkeypatch):
+    """A GPU of 80 MiB, so that at the small preset some layouts need checkpointing or accumulation and some fit in
+    no variant, whose links are slow beside its compute, so that a mode that recomputes more can win by taking fewer
+    micro-steps."""
+    import plan_report
+    monkeypatch.setitem(plan_report.GPUS, "tiny", (1e14, 80 * 2**20, 1e9, 1e8))
+
+
+def test_the_search_finds_what_planning_every_variant_finds(tiny_gpu, capsys):
+    """--search prunes (in each mode the first variant that fits is its best; a mode that fits at its first variant
+    ends the layout): every variant of every layout planned here, with no pruning, ranks the same best layouts with
+    the same times; every printed command is one the script accepts, and plans to the printed time; the counts add
+    up."""
+    import plan_report
+    import plan_search
+    assert plan.main([*SEARCH, "--top", "100"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split()[1:] for line in out if re.match(r" ?\d+ +[\d,.]+ +[\d,]+ +[\d.]+%", line)]
+    commands = [line.split(" 2 ", 1)[1].split() for line in out if line.startswith("   torchrun")]
+    everything, config = [], plan.gpt_config(plan_report.script_args("ddp_train.py", [], 1))
+    batch = 4096 // config.block_size
+    for script, flags, stages, replicas in plan_search.layouts(4, config):
+        for (m, mode), (i, (flag, n)) in itertools.product(enumerate(plan_search.MODES),
+                                                           enumerate(plan_search.variants(batch // replicas, stages))):
+            argv = ["--dtype", "bfloat16", "--batch_size", str(batch), *(flags or []), flag, str(n),
+                    "--activation_checkpointing", mode]
+            args, _ = plan_search.parse(script, argv, {}, 4)
+            if flags is None or args is None:
+                continue
+            estimate = plan_report.estimate(script, args, plan.plan(script, 4, argv, 2, args=args), "tiny", 0.5, 4)
+            if estimate["fits"]:
+                everything.append(((estimate["step_s"], i, m), estimate["memory"], script, " ".join(flags)))
+    best = {}  # a layout's: the least time; on ties the fewest micro-steps (most micro-batches), the least recompute
+    for (seconds, _, _), memory, script, flags in sorted(everything):
+        best.setdefault((script, flags), (seconds, memory))
+    expected = [[f"{seconds * 1e3:,.1f}", *plan_report.human(memory).split()]
+                for seconds, memory in sorted(best.values())]
+    assert len(rows) == len(commands) == len(expected) > 10
+    assert [[row[0], *row[-2:]] for row in rows] == expected  # each layout's time and memory
+    for command in commands[:3]:  # the first three again, each as its own plan
+        assert plan.main(["--json", "--nproc_per_node", "2", "--nnodes", "2", "--gpu", "tiny", *command]) == 0
+        estimate = json.loads(capsys.readouterr().out)["estimate"]
+        assert f"{estimate['step_s'] * 1e3:,.1f}" == rows[commands.index(command)][0]
+    counts = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) (?:layouts|fit|that)", out[-1])]
+    assert counts[0] == sum(counts[1:]) and counts[2] > 0, out[-1]  # and some fit in no variant
+
+
+def test_the_search_refuses_what_it_cannot_search_in_one_line(capsys):
+    """The search chooses every flag but the model's: another is one line; so is a batch the block size does not
+    divide, and a missing --gpu."""
+    for argv, line in [(["--batch_size", "8"], "--batch_size: not a model flag"),
+                       (["--global_batch_tokens", "1000"], "--global_batch_tokens: 1000 must be divisible by"),
+                       (["--n_head", "5"], "--n_head: n_embd (128) must be divisible by n_head (5)")]:
+        with pytest.raises(SystemExit) as stop:
+            plan.main(["--search", "--gpu", "h100", "--global_batch_tokens", "4096", *argv])
+        assert stop.value.code not in (0, None)
+        said = capsys.readouterr().err.strip().splitlines()[-1:] or [stop.value.code]  # a SystemExit's line: its code
+        assert line in said[0], said
+    with pytest.raises(SystemExit):
+        plan.main(["--search", "--global_batch_tokens", "4096"])
+    assert "--gpu" in capsys.readouterr().err
