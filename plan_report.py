@@ -167,21 +167,29 @@ def describe(script, ranks, nproc_per_node, nnodes):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python plan.py", description="What a script costs per "
-                                "rank; the script's own flags follow")
-    p.add_argument("script", choices=list(plan.PLANS))
+    p = argparse.ArgumentParser(prog="python plan.py", usage="python plan.py [flags] SCRIPT "
+                                "[its flags], or python plan.py --search [flags] [model flags]",
+                                description="What a script costs per rank, or (--search) every "
+                                f"script and layout, ranked. SCRIPT: {', '.join(plan.PLANS)}")
     p.add_argument("--nproc_per_node", type=int, default=1)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--json", action="store_true", help="the figures as JSON")
     p.add_argument("--gpu", choices=list(GPUS), help="estimate the step's time on this GPU")
     p.add_argument("--efficiency", type=float, default=0.5,
                    help="the fraction of the GPU's peak FLOP/s its matmuls reach (0.5)")
+    p.add_argument("--search", action="store_true", help="every script and layout, ranked by "
+                   "--gpu's time (plan_search.py); the model's flags follow")
+    p.add_argument("--global_batch_tokens", type=int, help="--search: tokens an optimizer step")
+    p.add_argument("--top", type=int, default=10, help="--search: how many layouts to print")
     argv = sys.argv[1:] if argv is None else argv
-    if "--search" in argv:  # every script and layout: plan_search.py
+    if "--search" in argv:  # plan.py's flags, then the model's: plan_search.py
         import plan_search
-        return plan_search.main(argv)
-    at = next((i + 1 for i, arg in enumerate(argv) if arg.endswith("_train.py")), len(argv))
-    ours, theirs = p.parse_args(argv[:at]), argv[at:]  # plan.py's flags, then the script's
+        return plan_search.main(p, *p.parse_known_args(argv))
+    at = next((i for i, arg in enumerate(argv) if arg.endswith("_train.py")), len(argv))
+    ours, theirs = p.parse_args(argv[:at]), argv[at + 1:]  # plan.py's flags, then the script's
+    ours.script = argv[at] if at < len(argv) else None
+    if ours.script not in plan.PLANS:
+        p.error(f"SCRIPT: one of {', '.join(plan.PLANS)}, after plan.py's flags (or --search)")
     world_size = ours.nproc_per_node * ours.nnodes
     if ours.gpu and "--dtype" not in theirs:  # the script's default on these GPUs
         theirs = theirs + ["--dtype", "bfloat16"]

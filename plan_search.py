@@ -12,7 +12,6 @@ micro-batches) and --activation_checkpointing. plan.py gives each variant's memo
 and plan_report.py its step time; the fastest variant that fits the GPU's memory stands for
 the layout. The best ten layouts are printed with their torchrun commands.
 """
-import argparse
 import contextlib
 import copy
 import functools
@@ -49,9 +48,9 @@ def grids(world, n):
 
 def layouts(world, config):
     """(script, its layout's flags, its pipeline's stages, the replicas that split the batch) for
-    every script and size on `world`
-    ranks; hybrid's grids only where each size divides what it splits (its own checks refuse the
-    rest: counted as not dividing, unplanned, so that 100,000 ranks stay quick)."""
+    every script and size on `world` ranks; hybrid's flags only where each size divides what it
+    splits, else None (its checks would refuse them: counted as not dividing, and not parsed, so
+    that 100,000 ranks stay quick)."""
     flag = lambda *pairs: [str(x).lower() for pair in pairs for x in pair]  # noqa: E731
     yield "ddp_train.py", [], 1, world
     for reshard in (True, False):
@@ -148,17 +147,10 @@ def best_variant(script, flags, stages, rows, ours, base, world):
     return best, reason or "unsupported", planned
 
 
-def main(argv):
-    p = argparse.ArgumentParser(prog="python plan.py --search", description="Every script and "
-                                "layout on a cluster, ranked by the step's predicted time")
-    p.add_argument("--search", action="store_true")
-    p.add_argument("--nproc_per_node", type=int, default=1)
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--gpu", choices=list(plan_report.GPUS), required=True)
-    p.add_argument("--efficiency", type=float, default=0.5)
-    p.add_argument("--global_batch_tokens", type=int, required=True)
-    p.add_argument("--top", type=int, default=10, help="how many layouts to print")
-    ours, model = p.parse_known_args(argv)
+def main(p, ours, model):
+    """plan_report.main's parser p, and what it parsed: plan.py's flags, then the model's."""
+    if ours.gpu is None or ours.global_batch_tokens is None:
+        p.error("--search: needs --gpu (the time it ranks by) and --global_batch_tokens")
     start, world = time.perf_counter(), ours.nproc_per_node * ours.nnodes
     unknown = [arg.split("=")[0] for arg in model if arg.startswith("--")]
     unknown = [flag for flag in unknown if flag not in MODEL_FLAGS]

@@ -176,8 +176,11 @@ def parser_flags(script):
             parser = built.args[0]
         else:
             raise AssertionError(f"{script}: main() parsed no arguments")
-    return {flag: action for flag, action in parser._option_string_actions.items()
-            if not (action.help or "").startswith("moved:")}
+    flags = {flag: action for flag, action in parser._option_string_actions.items()
+             if not (action.help or "").startswith("moved:")}
+    if script == "plan.py":  # --search passes the model's flags on to every script's parser
+        flags.update(dict.fromkeys(importlib.import_module("plan_search").MODEL_FLAGS))
+    return flags
 
 
 def command_flags(command):
