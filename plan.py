@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from common.config import gpt_config
 from common.metrics import flops_per_token
-from common.model import GPT, GPTConfig
+from common.model import GPT, LOSS_CHUNK_ROWS, GPTConfig
 from common.schedule_report import peak_live
 
 FP32 = 4  # bytes: parameters, gradients and AdamW's moments are fp32 in every script
@@ -37,13 +37,13 @@ class Rank:
     peak_activations: int = 0  # at the most micro-batches in flight (a pipeline's warm-up)
     flops: tuple = None  # (model, hardware) per step, this rank's share: plan() sets it
     between: dict = field(default_factory=dict)  # of comm, the bytes that cross nodes
+    loss_chunk: int = None  # what the loss's backward adds: 0 without the loss, None: not modelled
 
     @property
     def model_state(self):
         return self.params + self.grads + self.optimizer
 
-    def send(self, collective, group, nbytes, size=2):
-        """Counts the bytes handed to a collective of `group`, of `size` ranks (of one: none)."""
+    def send(self, collective, group, nbytes, size=2):  # to a group of `size` (one: none)
         if size > 1:
             key = f"{collective}@{group}"
             self.comm[key] = self.comm.get(key, 0) + int(nbytes)
@@ -57,20 +57,20 @@ def adamw(numels):
                 optimizer=2 * FP32 * sum(numels) + FP32 * len(numels))
 
 
-def compute_bytes(args):
-    """Bytes a number of a matmul's output under autocast (common/distributed.py): bf16 or fp32."""
+def compute_bytes(args):  # a matmul's output, a number, under autocast: bf16 or fp32 (bytes)
     return 2 if args.dtype == "bfloat16" else FP32
 
 
-def parameters(config):
-    """(name, shape) of the one-process model's parameters (wte once), built once a model."""
-    return shapes(tuple(vars(config).items()))
+def parameters(config):  # (name, shape) of the one-process model's parameters (wte once)
+    return built(tuple(vars(config).items()))[0]
 
 
 @functools.lru_cache
-def shapes(fields):
-    model = GPT(GPTConfig(**dict(fields)), device="meta")
-    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
+def built(fields):  # the model on meta, once a model: its parameters' shapes, flops_per_token
+    config = GPTConfig(**dict(fields))
+    model = GPT(config, device="meta")
+    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters()), \
+        flops_per_token(config)
 
 
 def layer_activations(s, b, h, a, mode, dropout, t=1, sp=False, e=FP32, copies=True):
@@ -119,23 +119,25 @@ def micro_rows(args, replicas):  # a micro-batch's rows, `replicas` splitting th
 
 
 def saving(rank, config, args, b, s=None, t=1, sp=False, vt=None, copies=True):
-    """A rank's activations: the whole model's, one micro-batch in flight."""
+    """A rank's activations (the model's, one micro-batch in flight), its loss's chunk (no TP)."""
     s, vt = s or args.block_size, t if vt is None else vt
     rank.activations = rank.peak_activations = model_activations(
         config, args, b, s, config.n_layer, t=t, sp=sp, vt=vt, copies=copies)
+    rank.loss_chunk = loss_chunk(config, b * s) if t == 1 else None
     return rank
 
 
-@functools.lru_cache
-def token_flops(fields):  # flops_per_token builds the model (on meta): once a model
-    return flops_per_token(GPTConfig(**dict(fields)))
+def loss_chunk(config, rows):
+    """ChunkedCrossEntropy's backward on CUDA (common/model.py), beyond the saved activations: a
+    chunk's fp32 log-softmax, its softmax and gradient, 12 bytes a logit (test_recompute.py)."""
+    return 12 * min(LOSS_CHUNK_ROWS, rows) * config.vocab_size
 
 
 def step_flops(config, args, world_size):
     """The step's FLOPs a rank, split evenly: the model's, as MFU counts them (flops_per_token), and
     the hardware's, with what backward recomputes: full, the forward (2 of the 6 a parameter, and a
     third of the attention's); selective, the attention core's forward (4LCT of its 12LCT)."""
-    tokens, per_token = args.batch_size * args.block_size, token_flops(tuple(vars(config).items()))
+    tokens, per_token = args.batch_size * args.block_size, built(tuple(vars(config).items()))[1]
     attention = 4 * config.n_layer * config.n_embd * args.block_size  # its core's forward a token
     again = {"full": per_token / 3, "selective": attention}
     hardware = per_token + again.get(args.activation_checkpointing, 0)
@@ -347,8 +349,7 @@ def context_parallel(args, world_size, config):
 
 
 def stage_numels(config, args, stage, n_stages):
-    """The sizes of the tensors pp_train.py's Stage builds for global `stage`: its blocks, wte and
-    wpe on the first stage, ln_f on the last (lm_head: pipeline's head_rows)."""
+    """Tensor sizes of pp_train.py's Stage `stage`: blocks, wte, wpe first, ln_f last (no head)."""
     first = list(itertools.accumulate(args.stage_layers, initial=0))
     held = tuple(f"transformer.h.{i}." for i in range(first[stage], first[stage + 1]))
     held += ("transformer.wte.", "transformer.wpe.") if stage == 0 else ()
@@ -375,6 +376,8 @@ def pipeline(args, world_size, config, script, head_rows, v=(), vp=()):
                                            args.stage_layers[stage], stage == 0,
                                            stage == p * V - 1, head=not vp))
         rank = Rank([r], **adamw(numels), activations=sum(sizes))
+        last = script.stage_rank(p * V - 1, p, *v) == r  # the last stage's rank: the loss's
+        rank.loss_chunk = None if vp else loss_chunk(config, rows * args.block_size) * last
         rank.peak_activations = peak_live(every[r], sizes)  # the schedule's most held at once
         rank.bubble = table[r].count(None) / len(table[r])  # its idle steps of the timetable
         program = script.p2p_program(table, r, p * V, *v)
@@ -497,8 +500,7 @@ def stage_ranks(dp, pp, cp, tp):  # each stage's ranks (hybrid_train.py's rank_g
 
 @functools.lru_cache
 def one_f_one_b(pp, M):
-    """Hybrid.one_f_one_b is pp_train.py's 1F1B (warm-up: the stages after this one): each stage's
-    idle share of its timetable, and the most micro-batches it holds at once."""
+    """Hybrid's is pp_train.py's 1F1B: each stage's idle share, the most micro-batches it holds."""
     from pp_train import schedule_actions, timetable
     every = [schedule_actions("1f1b", stage, pp, M) for stage in range(pp)]
     return [(row.count(None) / len(row), peak_live(actions))
@@ -568,8 +570,6 @@ PLANS = {"ddp_train.py": ddp,
          "cp_train.py": context_parallel, "pp_train.py": pp, "pp_vocab_train.py": pp_vocab,
          "pp_zb_train.py": pp_zb, "ep_train.py": ep, "hybrid_train.py": hybrid}
 
-
-# ---- the command line (plan_report.py) ---------------------------------------------------------
 
 def plan(script, world_size, argv, nproc_per_node=None, args=None):
     """Each rank's figures (a list of Rank), for `script` run on world_size ranks with argv (args:

@@ -156,6 +156,9 @@ def describe(script, ranks, nproc_per_node, nnodes):
         if rank.activations:
             lines.append(f"  activations    {human(rank.activations)} a micro-batch's forward, "
                          f"{human(rank.peak_activations)} at the most in flight")
+        if rank.loss_chunk is not None:  # 0: no loss on this rank
+            lines.append(f"  loss chunk     {human(rank.loss_chunk)} more in the loss's backward"
+                         if rank.loss_chunk else "  loss chunk     none (no loss here)")
         for key, nbytes in sorted(rank.comm.items()):
             cross = f", {human(rank.between[key])} between nodes" if nnodes > 1 else ""
             lines.append(f"  {key:28s} {human(nbytes)} a step{cross}")
@@ -205,7 +208,7 @@ def main(argv=None):
               f"{estimate['step_s'] * 1e3:,.1f} ms a step, {estimate['tokens_per_sec']:,.0f} "
               f"tokens/s, MFU {estimate['mfu']:.1%}; "
               f"memory {human(estimate['memory'])} of {human(GPUS[ours.gpu][1])} a GPU "
-              f"(model state and activations at their peak)"
+              f"(model state, activations at their peak and the loss's chunk)"
               + ("" if estimate["fits"] else ": DOES NOT FIT"))
     return 0
 
@@ -217,10 +220,12 @@ def timing(ours, argv, ranks, world_size):
 
 def estimate(script, args, ranks, gpu, efficiency, world_size):
     """The job's step: its slowest rank's; tokens/s and MFU from it; the most memory a rank holds
-    (model state and activations at their peak) and whether it fits the GPU's."""
+    (model state, activations at their peak and the loss's chunk, where plan.py models it) and
+    whether it fits the GPU's."""
     step = max(step_time(script, args, rank, gpu, efficiency) for rank in ranks)
     model_flops = sum(rank.flops[0] * len(rank.ranks) for rank in ranks)
-    memory = max(rank.model_state + rank.peak_activations for rank in ranks)
+    memory = max(rank.model_state + rank.peak_activations + (rank.loss_chunk or 0)
+                 for rank in ranks)
     return dict(step_s=step, tokens_per_sec=args.batch_size * args.block_size / step,
                 mfu=model_flops / (step * GPUS[gpu][0] * world_size), memory=memory,
                 fits=memory <= GPUS[gpu][1])

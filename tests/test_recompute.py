@@ -71,6 +71,34 @@ def test_the_whole_models_bytes_equal_plans_formula(dtype):
         assert meter.bytes == plan.model_activations(config, args, B, S, n_layer), (n_layer, vocab, mode, dropout)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_step_peaks_at_the_saved_bytes_and_the_loss_chunk(dtype, monkeypatch):
+    """plan.loss_chunk: a forward and backward of the whole model (its gradients already held, as after a first
+    step), with CUDA's loss path forced, peaks at plan's saved activations plus 12 bytes a logit of one loss chunk,
+    less the few small tensors backward has freed by then (under 8 bytes a row): chunks of fewer rows than the
+    batch's 96 and of more, where the chunk is backward's largest buffer (at GPT-2's sizes: 618 MB, against the
+    tied head's 155 MB weight gradient; with 16 rows of 1000 here, it is not)."""
+    import common.model
+    from conftest import DeviceMemory
+    monkeypatch.setattr(common.model, "RECOMPUTE_LOG_SOFTMAX", True)
+    for chunk, vocab in itertools.product((64, 4096), (2048, 4096)):
+        monkeypatch.setattr(common.model, "LOSS_CHUNK_ROWS", chunk)
+        monkeypatch.setattr(plan, "LOSS_CHUNK_ROWS", chunk)
+        torch.manual_seed(0)
+        config = GPTConfig(block_size=S, vocab_size=vocab, n_layer=2, n_head=A, n_embd=H, dropout=0.0)
+        model = GPT(config)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        idx = torch.randint(0, vocab, (B, S))
+        with DeviceMemory() as memory:
+            with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16"):
+                _, loss = model(idx, idx.clone())
+            loss.backward()
+        args = SimpleNamespace(dtype=dtype, activation_checkpointing="none")
+        planned = plan.model_activations(config, args, B, S, 2) + plan.loss_chunk(config, B * S)
+        assert 0 <= planned - memory.peak <= 8 * B * S, (chunk, vocab, planned - memory.peak)
+
+
 @pytest.mark.parametrize("dropout,mode", list(CPU_BYTES))
 def test_bytes_per_layer_equal_the_formula(dropout, mode):
     """One layer more adds exactly the formula's bytes (the embedding, head and loss cancel)."""
