@@ -16,12 +16,18 @@ import plan
 from common.config import parse_args
 
 
-def script_args(script, argv, world_size):
-    """The script's own parser and checks (add_<name>_flags, check_<name>_args; zero3_tuning's are
-    zero3's): its defaults, and its one line on bad input."""
+def script_flags(script):
+    """The script's strategy name, add_<name>_flags and check_<name>_args (zero3_tuning's are
+    zero3's)."""
     name, module = script.split("_")[0], importlib.import_module(script[:-3])
-    args = parse_args(name, getattr(module, f"add_{name}_flags"), argv)
-    getattr(module, f"check_{name}_args")(args, world_size)
+    return name, getattr(module, f"add_{name}_flags"), getattr(module, f"check_{name}_args")
+
+
+def script_args(script, argv, world_size):
+    """The script's own parser and checks: its defaults, and its one line on bad input."""
+    name, add_flags, check = script_flags(script)
+    args = parse_args(name, add_flags, argv)
+    check(args, world_size)
     return args
 
 
@@ -196,8 +202,10 @@ def main(argv=None):
     world_size = ours.nproc_per_node * ours.nnodes
     if ours.gpu and "--dtype" not in theirs:  # the script's default on these GPUs
         theirs = theirs + ["--dtype", "bfloat16"]
-    ranks = plan.plan(ours.script, world_size, theirs, ours.nproc_per_node)
-    estimate = ours.gpu and timing(ours, theirs, ranks, world_size)
+    args = script_args(ours.script, theirs, world_size)
+    ranks = plan.plan(ours.script, world_size, theirs, ours.nproc_per_node, args=args)
+    estimate = ours.gpu and estimate_step(ours.script, args, ranks, ours.gpu, ours.efficiency,
+                                          world_size)
     if ours.json:
         print(json.dumps(dict(ranks=[asdict(r) | {"model_state": r.model_state} for r in ranks],
                               estimate=estimate or None), indent=1))
@@ -213,12 +221,7 @@ def main(argv=None):
     return 0
 
 
-def timing(ours, argv, ranks, world_size):
-    args = script_args(ours.script, argv, world_size)
-    return estimate(ours.script, args, ranks, ours.gpu, ours.efficiency, world_size)
-
-
-def estimate(script, args, ranks, gpu, efficiency, world_size):
+def estimate_step(script, args, ranks, gpu, efficiency, world_size):
     """The job's step: its slowest rank's; tokens/s and MFU from it; the most memory a rank holds
     (model state, activations at their peak and the loss's chunk, where plan.py models it) and
     whether it fits the GPU's."""

@@ -15,7 +15,6 @@ the layout. The best ten layouts are printed with their torchrun commands.
 import contextlib
 import copy
 import functools
-import importlib
 import io
 import itertools
 import math
@@ -95,19 +94,18 @@ def variants(rows, stages):
 def parsed(script, argv):
     """The script's own parser on a layout's flags: once a layout (a variant's values are read by
     the script's checks only)."""
-    name, module = script.split("_")[0], importlib.import_module(script[:-3])
-    return parse_args(name, getattr(module, f"add_{name}_flags"), list(argv))
+    name, add_flags, _ = plan_report.script_flags(script)
+    return parse_args(name, add_flags, list(argv))
 
 
 def parse(script, argv, variant, world):
     """The script's own args for a layout's flags and a variant's values (their checks: the
     script's), or its one refusal line, printed by the checks and caught here."""
-    name, module = script.split("_")[0], importlib.import_module(script[:-3])
     with contextlib.redirect_stderr(io.StringIO()) as err:
         try:
             args = copy.copy(parsed(script, tuple(argv)))
             vars(args).update(variant)
-            getattr(module, f"check_{name}_args")(args, world)
+            plan_report.script_flags(script)[2](args, world)
             return args, None
         except SystemExit:
             return None, err.getvalue().strip().splitlines()[-1:] or ["refused"]
@@ -117,11 +115,11 @@ def best_variant(script, flags, stages, rows, ours, base, world):
     """The layout's fastest variant that fits, as ((seconds, its place in variants(), the mode's in
     MODES), memory, argv, estimate): on equal times, the fewest accumulation steps (or most
     micro-batches), then the least recomputation; or None and why ('memory', 'divide',
-    'unsupported'); and how many variants were planned. In each mode the
-    first variant that fits is its best: a smaller micro-batch adds accumulation steps, fewer
-    micro-batches add bubble and hold no less. A mode that fits at its first variant ends the
-    search (the next modes recompute more of the same), as does one the script refuses in every
-    variant (no check reads the mode)."""
+    'unsupported'); and how many variants were planned. In each mode the first variant that fits
+    is its best: a smaller micro-batch adds accumulation steps, fewer micro-batches add bubble and
+    hold no less. A mode that fits at its first variant ends the search (the next modes recompute
+    more of the same), as does one the script refuses in every variant (no check reads the
+    mode)."""
     reason, planned, best = None, 0, None
     for m, mode in enumerate(MODES):
         accepted, at_first = 0, False
@@ -133,7 +131,8 @@ def best_variant(script, flags, stages, rows, ours, base, world):
                 continue
             accepted, planned = accepted + 1, planned + 1
             ranks = plan.plan(script, world, None, ours.nproc_per_node, args=args)
-            estimate = plan_report.estimate(script, args, ranks, ours.gpu, ours.efficiency, world)
+            estimate = plan_report.estimate_step(script, args, ranks, ours.gpu, ours.efficiency,
+                                                 world)
             if estimate["fits"]:
                 argv = base + flags + [flag, str(n), "--activation_checkpointing", mode]
                 row = ((estimate["step_s"], i, m), estimate["memory"], argv, estimate)

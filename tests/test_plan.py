@@ -125,7 +125,7 @@ def test_the_search_finds_what_planning_every_variant_finds(tiny_gpu, capsys):
             args, _ = plan_search.parse(script, argv, {}, 4)
             if flags is None or args is None:
                 continue
-            estimate = plan_report.estimate(script, args, plan.plan(script, 4, argv, 2, args=args), "tiny", 0.5, 4)
+            estimate = plan_report.estimate_step(script, args, plan.plan(script, 4, argv, 2, args=args), "tiny", 0.5, 4)
             if estimate["fits"]:
                 everything.append(((estimate["step_s"], i, m), estimate["memory"], script, " ".join(flags)))
     best = {}  # a layout's: the least time; on ties the fewest micro-steps (most micro-batches), the least recompute
