@@ -87,7 +87,7 @@ def fake_hub(patch, corpus, asked=None, listed=None, resolved=None):
 
 def run_prepare(corpus, out, workers, dataset="fineweb_edu", revision=None, flags=()):
     """prepare.main on the corpus, with the hub answered from the corpus folder; the revision (the pinned one, or
-    --revision) resolved once, and its commit listed and downloaded."""
+    --revision) resolved once, and its commit listed and downloaded. Returns the names downloaded, in order."""
     asked, listed, resolved = [], [], []
     with pytest.MonkeyPatch.context() as patch:
         fake_hub(patch, corpus, asked, listed, resolved)
@@ -98,6 +98,7 @@ def run_prepare(corpus, out, workers, dataset="fineweb_edu", revision=None, flag
     commit = fake_commit(revision)
     assert code == 0 and resolved == [revision] and listed == [(source.repo, commit)]
     assert set(asked) <= {(source.repo, commit, name) for name in NAMES}
+    return [name for _, _, name in asked]
 
 
 def folder_bytes(folder):
@@ -338,7 +339,7 @@ def test_a_prepare_killed_at_any_point_resumes_to_the_same_bytes(sharded, owt, c
                                                                  point):
     """The rerun ends with the bytes of a run never killed, and tokenises again only the documents from where the
     last published shard ends (the document it ends in included): the val split's partial shard of OpenWebText is
-    continued from where the manifest recorded it."""
+    continued from where the manifest recorded it. A file wholly before that document is not downloaded again."""
     out = tmp_path / "out"
     status = killed_prepare(corpus, out, dataset, point)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (status, capfd.readouterr().err[-2000:])
@@ -376,7 +377,7 @@ def test_a_prepare_killed_at_any_point_resumes_to_the_same_bytes(sharded, owt, c
     capfd.readouterr()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(prepare, "NANOGPT_TEST_SIZE", OWT_VAL)
-        run_prepare(corpus, out, workers=2, dataset=dataset)
+        downloaded = run_prepare(corpus, out, workers=2, dataset=dataset)
     printed = capfd.readouterr().out
     if named:
         assert f"resuming after {len(named)} published shards, at document " in printed
@@ -385,6 +386,9 @@ def test_a_prepare_killed_at_any_point_resumes_to_the_same_bytes(sharded, owt, c
         restart = at
     redone = int(printed.split(" tokenised ")[1].split(" tokens")[0].replace(",", ""))
     assert redone == sum(len(doc) for doc in documents()[restart:])  # the documents from there on, only
+    # The documents before each file's end (write_corpus), recorded in the manifest once its footer is read
+    ends = (len(TEXTS) // 2, len(TEXTS))
+    assert downloaded == [name for name, end in zip(NAMES, ends) if not named or end > restart], restart
     assert folder_bytes(out) == final  # the partial file of the killed run removed, too
 
 
