@@ -412,13 +412,12 @@ class ContextParallel:
     def forward_backward(self, x, y, sync):
         """One micro-step on this rank's positions of x, y; returns the mean loss over them."""
         pos = self.cp.owned  # (T/cp,): this rank's positions, ascending
-        with activations.first():
-            with autocast(self.args, self.device):
-                _, loss = self.model(x[:, pos], y[:, pos], pos)
-            # Divided by A*N, backward writes g/(A*N): the buckets' plain sum over the N ranks is
-            # the mean, with no pass to divide (why a sum: docs/design.md).
-            N = dist.get_world_size(self.buckets.group)  # the ranks the buckets sum over
-            (loss / (self.args.grad_accum_steps * N)).backward()
+        with activations.first(), autocast(self.args, self.device):  # the bytes kept for backward
+            _, loss = self.model(x[:, pos], y[:, pos], pos)
+        # Divided by A*N, backward writes g/(A*N): the buckets' plain sum over the N ranks is the
+        # mean, with no pass to divide (why a sum: docs/design.md).
+        N = dist.get_world_size(self.buckets.group)  # the ranks the buckets sum over
+        (loss / (self.args.grad_accum_steps * N)).backward()
         if sync:  # the step's last micro-step: the earlier ones only accumulated
             self.buckets.all_reduce()
         return loss.detach().float()

@@ -523,10 +523,9 @@ class TensorParallel:
 
     def forward_backward(self, x, y, sync):
         """One micro-step; returns its loss. sync=False: accumulate only."""
-        with activations.first():  # the bytes autograd saves for backward, once: SP shrinks them
-            with autocast(self.args, self.device):
-                _, loss = self.model(x, y)
-            (loss / (self.args.grad_accum_steps * len(self.grid))).backward()  # see sum_over_dp
+        with activations.first(), autocast(self.args, self.device):  # kept for backward: SP shrinks
+            _, loss = self.model(x, y)
+        (loss / (self.args.grad_accum_steps * len(self.grid))).backward()  # see sum_over_dp
         if sync:
             self.sum_over_dp([p.grad for p in self.model.parameters()])
         if sync and self.model.sequence_parallel_params:  # each rank's from its shard only: sum

@@ -66,8 +66,8 @@ class TorchCP:
     def forward_backward(self, x, y, sync):
         (x, y, pos), (kernels, sharded) = self.sharded(x, y)
         no_sync = nullcontext() if sync else self.ddp.no_sync()
-        with kernels, sharded, no_sync, activations.first():
-            with autocast(self.args, self.device):
+        with kernels, sharded, no_sync:
+            with activations.first(), autocast(self.args, self.device):
                 _, loss = self.ddp(x, y, pos)
             # backward's SDPA ops run as CP attention too
             (loss / self.args.grad_accum_steps).backward()

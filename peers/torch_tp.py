@@ -136,8 +136,8 @@ class TorchTP:
     def forward_backward(self, x, y, sync):
         # torch's loss_parallel() covers forward and backward
         vocab_parallel = loss_parallel() if self.args.loss_parallel else nullcontext()
-        with activations.first(), vocab_parallel:
-            with autocast(self.args, self.device):
+        with vocab_parallel:
+            with activations.first(), autocast(self.args, self.device):
                 _, loss = self.model(x, y)
             (loss / (self.args.grad_accum_steps * len(self.grid))).backward()  # see sum_over_dp
         if sync:
