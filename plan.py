@@ -2,13 +2,11 @@
 
     python plan.py --nproc_per_node 8 [--nnodes 2] [--gpu h100] [--json] fsdp_train.py --preset gpt2
 
-The script's flags go through its own parser and checks. Per class of equal ranks: the model state
-(exactly the logged `model_state_bytes_per_rank`), the activations, the bytes handed to each
-collective per step by process group (the logged loss's average left out), a pipeline's bubble
-from its own timetable, and the FLOPs: each strategy's formulas in one function, in the README's
-order, each line with where it comes from. tests/runs.py checks them after every run the suite
-makes. plan_report.py prints them, splits the bytes by node and estimates the time on a GPU;
-plan_search.py (--search) ranks every script and layout on a cluster by that time.
+The script's flags go through its own parser and checks. Per class of equal ranks: the model state,
+the activations, a step's peak on the device, the bytes handed to each collective by process group,
+a pipeline's bubble and the FLOPs: each strategy's formulas in one function, in the README's order.
+tests/runs.py checks them against the runs the suite makes. plan_report.py prints them, splits the
+bytes by node and times a step on a GPU; plan_search.py (--search) ranks every layout by that time.
 """
 import functools
 import itertools
@@ -37,11 +35,18 @@ class Rank:
     peak_activations: int = 0  # at the most micro-batches in flight (a pipeline's warm-up)
     flops: tuple = None  # (model, hardware) per step, this rank's share: plan() sets it
     between: dict = field(default_factory=dict)  # of comm, the bytes that cross nodes
-    loss_chunk: int = None  # what the loss's backward adds: 0 without the loss, None: not modelled
+    transients: dict = field(default_factory=dict)  # name -> bytes held at the step's peak too
+    freed: int = 0  # of peak_activations, what the device no longer holds then (FSDP's units)
+    floor: int = 0  # another moment's peak: a first stage's, at its embedding's dense gradient
 
     @property
     def model_state(self):
         return self.params + self.grads + self.optimizer
+
+    @property
+    def memory(self):  # a step's peak, in the loss's backward (tests/runs.py measures it)
+        held = self.model_state + self.peak_activations - self.freed + sum(self.transients.values())
+        return max(held, self.floor)
 
     def send(self, collective, group, nbytes, size=2):  # to a group of `size` (one: none)
         if size > 1:
@@ -69,15 +74,13 @@ def parameters(config):  # (name, shape) of the one-process model's parameters (
 def built(fields):  # the model on meta, once a model: its parameters' shapes, flops_per_token
     config = GPTConfig(**dict(fields))
     model = GPT(config, device="meta")
-    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters()), \
-        flops_per_token(config)
+    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters()), flops_per_token(config)
 
 
 def layer_activations(s, b, h, a, mode, dropout, t=1, sp=False, e=FP32, copies=True):
     """Bytes one block keeps for backward: s positions x b rows, h wide, a heads, TP over t ranks
     (sp: SP), matmuls' outputs e bytes. Korthikanti et al. 2022's terms, with CPU's 4-byte masks,
-    LayerNorms' mean and 1/std, autocast's bf16 weight copies (of fp32 weights: `copies`);
-    measured in test_recompute.py."""
+    LayerNorms' mean and 1/std, autocast's bf16 weight copies (`copies`); test_recompute.py."""
     sbh, sb = s * b * h, s * b
     if mode == "full":  # the block's input alone (SP: its sequence shard)
         return 4 * sbh // (t if sp else 1)
@@ -99,9 +102,8 @@ def layer_activations(s, b, h, a, mode, dropout, t=1, sp=False, e=FP32, copies=T
 
 def model_activations(config, args, b, s, blocks, first=True, last=True, t=1, sp=False, vt=1,
                       head=True, copies=True):
-    """Bytes one micro-batch's forward keeps (activations.first() measures it): `blocks` blocks of
-    b rows x s positions, the embedding's on the first stage, the head's and loss's on the last
-    (the logits split by vocabulary over vt ranks)."""
+    """Bytes one micro-batch's forward keeps (activations.first()): `blocks` blocks of b rows x s
+    positions, the embedding's on the first stage, the head's and loss's on the last (V/vt)."""
     e, h, n, V = compute_bytes(args), config.n_embd, b * s, config.vocab_size
     saved = blocks * layer_activations(s, b, h, config.n_head, args.activation_checkpointing,
                                        config.dropout, t, sp, e, copies)
@@ -118,25 +120,27 @@ def micro_rows(args, replicas):  # a micro-batch's rows, `replicas` splitting th
     return args.batch_size // replicas // args.grad_accum_steps
 
 
-def saving(rank, config, args, b, s=None, t=1, sp=False, vt=None, copies=True):
-    """A rank's activations (the model's, one micro-batch in flight), its loss's chunk (no TP)."""
+def saving(rank, config, args, b, s=None, t=1, sp=False, vt=None, copies=True, vocab=False):
+    """A rank's activations (the model's, one micro-batch in flight) and its loss's backward."""
     s, vt = s or args.block_size, t if vt is None else vt
     rank.activations = rank.peak_activations = model_activations(
         config, args, b, s, config.n_layer, t=t, sp=sp, vt=vt, copies=copies)
-    rank.loss_chunk = loss_chunk(config, b * s) if t == 1 else None
+    e = compute_bytes(args)
+    rank.transients["the loss's backward"] = loss_backward(config, b * s, e, vt, vocab or vt > 1)
     return rank
 
 
-def loss_chunk(config, rows):
-    """ChunkedCrossEntropy's backward on CUDA (common/model.py), beyond the saved activations: a
-    chunk's fp32 log-softmax, its softmax and gradient, 12 bytes a logit (test_recompute.py)."""
-    return 12 * min(LOSS_CHUNK_ROWS, rows) * config.vocab_size
+def loss_backward(config, rows, e, vt=1, vocab_parallel=False):
+    """The loss's backward beyond the saved activations on CUDA (test_recompute.py, runs.py): the
+    logits' gradient (e bytes a logit), a chunk's fp32 work: ChunkedCrossEntropy's log-softmax, its
+    gradient, the logits' (12 a logit, bf16: 14); VocabParallelCrossEntropy's (V/vt) z - lse (4)."""
+    chunk = 4 if vocab_parallel else 12 + (e < FP32) * e
+    return (e * rows + chunk * min(LOSS_CHUNK_ROWS, rows)) * config.vocab_size // vt
 
 
 def step_flops(config, args, world_size):
-    """The step's FLOPs a rank, split evenly: the model's, as MFU counts them (flops_per_token), and
-    the hardware's, with what backward recomputes: full, the forward (2 of the 6 a parameter, and a
-    third of the attention's); selective, the attention core's forward (4LCT of its 12LCT)."""
+    """The step's FLOPs a rank, split evenly: the model's, as MFU counts them, and the hardware's,
+    with backward's recompute: full, the forward (a third); selective, the core's (4LCT/12LCT)."""
     tokens, per_token = args.batch_size * args.block_size, built(tuple(vars(config).items()))[1]
     attention = 4 * config.n_layer * config.n_embd * args.block_size  # its core's forward a token
     again = {"full": per_token / 3, "selective": attention}
@@ -159,7 +163,7 @@ def grouped(ranks):
     """Ranks with equal figures as one Rank, in rank order."""
     classes = {}
     for rank in ranks:
-        key = str([rank.params, rank.grads, rank.optimizer, rank.activations, rank.comm])
+        key = str({name: value for name, value in vars(rank).items() if name != "ranks"})
         first = classes.setdefault(key, rank)
         first.ranks += rank.ranks if first is not rank else []
     return list(classes.values())
@@ -181,13 +185,11 @@ def fsdp_units(config):
 
 
 def sharded(args, world_size, config, reshard):
-    """fsdp_train.py, and the FSDP2 peers of it and of zero3_train.py --stage 3: per unit, a rank
-    holds FlatParamUnit's local_shard of ceil(numel/N) values (FSDP2: each tensor's dim-0 rows).
-    Per micro-step each unit is all-gathered before forward, each block again before backward
-    when resharded, and its fp32 gradient reduce-scattered (FSDP2's by the same rule)."""
+    """fsdp_train.py, and the FSDP2 peers of it and of zero3 --stage 3: per unit a rank holds its
+    local_shard of ceil(numel/N) values (FSDP2: each tensor's dim-0 rows). Per micro-step each unit
+    is gathered before forward (a block again for backward, resharded), its gradient scattered."""
     N, A, custom = world_size, args.grad_accum_steps, args.implementation == "custom"
-    units = fsdp_units(config)
-    gather = compute_bytes(args)  # FlatParamUnit.unshard: in the compute dtype
+    units, gather = fsdp_units(config), compute_bytes(args)  # unshard: in the compute dtype
     ranks = []
     for r in [0] if custom else range(N):  # custom: every rank's shards are the same size
         if custom:  # FlatParamUnit: shard_size = ceil(numel / N), and one AdamW step, per unit
@@ -207,6 +209,9 @@ def sharded(args, world_size, config, reshard):
             kept = padded[-1:] if args.activation_checkpointing == "full" else padded  # whose
             rank.activations += N * gather * sum(kept)  # storage counts whole (full: the root's)
             rank.peak_activations = rank.activations
+            # At the peak: the root and the prefetched last block (resharded: the rest resize_(0))
+            held = padded[-1] + (args.prefetch and len(padded) > 1) * padded[-2]
+            rank.freed = N * gather * (sum(kept) - (held if reshard else sum(padded)))
         ranks.append(rank)
     return grouped(ranks)
 
@@ -224,9 +229,8 @@ def zero_redundancy(shapes, world_size):
 
 
 def zero3(args, world_size, config, threshold=0, reuse=math.inf):
-    """zero3_train.py (threshold, reuse: zero3_tuning_train.py's): partition() gives each tensor to
-    one rank (None: persistent, on every rank); a rank keeps what it owns and the persistent ones,
-    plus every parameter (stages 1, 2) and every gradient (stage 1)."""
+    """zero3_train.py (threshold, reuse: zero3_tuning_train.py's): a rank keeps what partition()
+    gives it, the persistent tensors (owner None), every parameter (stage < 3), gradient (1)."""
     from zero3_tuning_train import partition  # zero3_train.py's, with --persistence_threshold
     N, A, stage = world_size, args.grad_accum_steps, args.stage
     if args.implementation == "pytorch" and stage == 3:  # FSDP2, blocks resharded
@@ -234,10 +238,8 @@ def zero3(args, world_size, config, threshold=0, reuse=math.inf):
     shapes = dict(parameters(config))
     sizes = {name: math.prod(shape) for name, shape in shapes.items()}
     fill = min(N, len(sizes))  # both greedy: with a rank a tensor, each takes a fresh rank
-    if args.implementation == "pytorch":  # --stage 1: DDP + ZeroRedundancyOptimizer
-        owner = zero_redundancy(shapes, fill)
-    else:
-        owner, _ = partition(shapes.items(), fill, threshold)
+    owner = zero_redundancy(shapes, fill) if args.implementation == "pytorch" else \
+        partition(shapes.items(), fill, threshold)[0]  # the peer (stage 1): DDP + torch's ZeRO
     kept = {None: []}  # None: the persistent tensors, kept by every rank
     for name, n in sizes.items():
         kept.setdefault(owner[name], []).append(n)
@@ -254,7 +256,12 @@ def zero3(args, world_size, config, threshold=0, reuse=math.inf):
             rank.grads = FP32 * P
         if N > 1:
             comm(rank, args, stage, A, sizes, owner, P, part, reuse)
-        ranks.append(saving(rank, config, args, micro_rows(args, N)))
+        # ParamFetcher holds the tied wte, fetched (the owner's: cast to bf16), from the head's
+        wte, e = owner["transformer.wte.weight"], compute_bytes(args)  # forward to its backward
+        if stage == 3 and N > 1 and wte is not None and (wte not in members or e < FP32):
+            rank.transients["the head's fetched weight"] = e * sizes["transformer.wte.weight"]
+        ranks.append(saving(rank, config, args, micro_rows(args, N), copies=stage < 3))  # 3: no
+        # autocast copies: stage 3 fetches the weights in the compute dtype
     return grouped(ranks)
 
 
@@ -281,8 +288,8 @@ def comm(rank, args, stage, A, sizes, owner, P, part, reuse):
 
 def tensor_parallel(args, world_size, config, overlap=False):
     """tp_train.py: a TP rank holds 1/tp of every tensor shard_dim() splits, the rest whole (the
-    peer's --sequence_parallel splits wpe too). Per micro-step every block has two f and two g,
-    the embedding a g and lm_head an f (CopyToTP, ReduceFromTP), each (b, T, C)."""
+    peer's SP splits wpe too). Per micro-step every block has two f and two g, the embedding a g
+    and lm_head an f (CopyToTP, ReduceFromTP), each (b, T, C)."""
     import tp_train  # its shard_dim: which tensors TP splits
     tp, D, L = args.tensor_parallel_size, args.data_parallel_size, config.n_layer
     A = args.grad_accum_steps
@@ -291,10 +298,8 @@ def tensor_parallel(args, world_size, config, overlap=False):
                                    or (peer_wpe and name.endswith("wpe.weight")) else 1)
               for name, shape in parameters(config)]
     rank = Rank(list(range(world_size)), **adamw(numels))
-    act, sp = compute_bytes(args), args.sequence_parallel
-    b = micro_rows(args, D)
-    bt = b * args.block_size
-    btc = bt * config.n_embd  # a (b, T, C) activation
+    act, sp, b = compute_bytes(args), args.sequence_parallel, micro_rows(args, D)
+    bt, btc = b * args.block_size, b * args.block_size * config.n_embd  # btc: a (b, T, C) tensor
     # full: backward reruns each block's forward up to its last op that saves a tensor: the f's,
     # attn's g, mlp's g only where a dropout saves its mask or (overlap) g's Function its input
     full = args.activation_checkpointing == "full"
@@ -320,13 +325,13 @@ def tensor_parallel(args, world_size, config, overlap=False):
         rank.send("all_reduce", "tp", FP32 * sum(replicated))
     rank.send("all_reduce", "dp", FP32 * sum(numels), D)  # sum_over_dp: every local gradient
     rank.send("all_reduce", "tp", FP32, tp)  # clip_grad_norm_: the shards' squares
-    return [saving(rank, config, args, b, t=tp, sp=sp, vt=tp if args.loss_parallel else 1)]
+    vt = tp if args.loss_parallel else 1
+    return [saving(rank, config, args, b, t=tp, sp=sp, vt=vt, vocab=args.loss_parallel)]
 
 
 def context_parallel(args, world_size, config):
-    """cp_train.py: the whole model on every rank. Per layer and micro-step the attention sends this
-    rank's K, V (kv = 2bTC/cp numbers) as its docstring's table says, dK, dV in fp32; a recompute
-    sends the forward's again, up to its last op that saves a tensor."""
+    """cp_train.py: the whole model on every rank. Per layer and micro-step the attention sends K, V
+    (kv = 2bTC/cp numbers) as its docstring's table says, dK, dV in fp32; a recompute, again."""
     numels = [math.prod(shape) for _, shape in parameters(config)]
     rank = Rank(list(range(world_size)), **adamw(numels))
     cp, A, L = args.context_parallel_size, args.grad_accum_steps, config.n_layer
@@ -358,14 +363,12 @@ def stage_numels(config, args, stage, n_stages):
 
 
 def pipeline(args, world_size, config, script, head_rows, v=(), vp=()):
-    """What a pipeline script's ranks hold and send, from its own stage_index, schedule_actions,
-    timetable and p2p_program (v: pp_zb's v_shape, vp: pp_vocab's vocab_parallel); head_rows(stage,
-    chunk): the rows of the stage's own lm_head copy (0: none, or tied to wte)."""
+    """A pipeline script's ranks, from its stage_index, schedule_actions, timetable and p2p_program
+    (v: pp_zb's v_shape, vp: pp_vocab's); head_rows(stage, chunk): its lm_head copy's rows, or 0."""
     p, V, C, M = world_size, args.virtual_stages, config.n_embd, args.n_microbatches
     every = [script.schedule_actions(args.schedule, r, p, M, V, *vp) for r in range(p)]
     table = script.timetable(every, p * V, *v)  # Pipeline.__init__'s: every rank's, one clock
-    rows = micro_rows(args, M)  # a micro-batch's
-    ranks = []
+    rows, ranks = micro_rows(args, M), []  # rows: a micro-batch's
     for r in range(p):
         numels, sizes = [], []  # sizes: what a micro-batch's forward through each chunk saves
         for chunk in range(V):
@@ -377,8 +380,12 @@ def pipeline(args, world_size, config, script, head_rows, v=(), vp=()):
                                            stage == p * V - 1, head=not vp))
         rank = Rank([r], **adamw(numels), activations=sum(sizes))
         last = script.stage_rank(p * V - 1, p, *v) == r  # the last stage's rank: the loss's
-        rank.loss_chunk = None if vp else loss_chunk(config, rows * args.block_size) * last
+        if last and not vp:  # its loss (pp_vocab's: its vocabulary pass)
+            loss = loss_backward(config, rows * args.block_size, compute_bytes(args))
+            rank.transients["the loss's backward"] = loss
         rank.peak_activations = peak_live(every[r], sizes)  # the schedule's most held at once
+        if script.stage_rank(0, p, *v) == r:  # the embedding's backward: a dense fp32 (V, C)
+            rank.floor = rank.model_state + rank.peak_activations + FP32 * config.vocab_size * C
         rank.bubble = table[r].count(None) / len(table[r])  # its idle steps of the timetable
         program = script.p2p_program(table, r, p * V, *v)
         sends = sum(is_send for _, ops in program for _, is_send, _ in ops)
@@ -396,9 +403,8 @@ def tied(rank, config, rows):
 
 
 def pp(args, world_size, config, script=None, v=()):
-    """pp_train.py: rank r runs stages r, r+p, ... (stage_index); the last stage holds a copy of the
-    tied wte as lm_head, unless it is also the first; per micro-batch an activation forward and
-    its gradient back between neighbouring stages."""
+    """pp_train.py: rank r runs stages r, r+p, ...; the last stage holds a copy of the tied wte as
+    lm_head (unless it is the first); a micro-batch's activation and gradient between stages."""
     import pp_train
     script = script or pp_train
     last = world_size * args.virtual_stages - 1
@@ -431,6 +437,10 @@ def pp_vocab(args, world_size, config):
         tied(ranks[r], config, vocab // p)
     loss_rank = pp_vocab_train.stage_rank(p * args.virtual_stages - 1, p)
     N, passes = micro_rows(args, M) * args.block_size, M * args.grad_accum_steps  # tokens, passes
+    e = compute_bytes(args)
+    for rank in ranks:  # the pass's logits (V/p), their backward, (bf16) autocast's head copy
+        logits = (e * N + (e < FP32) * 2 * C) * vocab // p
+        rank.transients["the vocabulary pass"] = logits + loss_backward(config, N, e, p, True)
     for r, rank in enumerate(ranks if p > 1 else []):
         if r == loss_rank:  # Pipeline.run's L: the last stage's output h (N, C) fp32 to every rank
             rank.send("broadcast", "vocab", passes * FP32 * N * C)
@@ -441,12 +451,10 @@ def pp_vocab(args, world_size, config):
 
 
 def ep(args, world_size, config):
-    """ep_train.py: the Pd non-expert numbers on every rank, E/EP experts of each layer in stacked
-    tensors. Per MoE layer and micro-step, the counts' all-to-all and the rows', at balanced routing
-    (a real step's rows differ by rank; their sum over the EP group is this); then the dense
-    gradients over all ranks, the experts' over each shard's replicas. The peer: torch DDP."""
-    replicas = args.data_parallel_size
-    ep_size = world_size // replicas
+    """ep_train.py: the Pd non-expert numbers on every rank, E/EP experts of each layer stacked. Per
+    MoE layer and micro-step, the counts' all-to-all and the rows', at balanced routing (their sum
+    over the EP group); the dense gradients over all ranks, the experts' over their replicas."""
+    replicas, ep_size = args.data_parallel_size, world_size // args.data_parallel_size
     named = [(name, math.prod(shape)) for name, shape in parameters(config)]
     dense = [numel for name, numel in named if ".experts." not in name]
     rank = Rank(list(range(world_size)))
@@ -508,16 +516,14 @@ def one_f_one_b(pp, M):
 
 
 def hybrid(args, world_size, config):
-    """hybrid_train.py: each stage's ranks alike; per axis, the collectives its docstring lists, the
-    matmuls' outputs (g's forward, the ring's K, V) in the compute dtype, the rest fp32. The peer:
-    the same state; of its traffic, only its hand-written gradient sums and the norm's."""
+    """hybrid_train.py: each stage's ranks alike; per axis, the collectives its docstring lists (g's
+    forward, the ring's K, V in the compute dtype, the rest fp32); the peer's: its gradient sums."""
     from hybrid_train import shard_dim
     dp, pp = args.data_parallel_size, args.pipeline_parallel_size
     cp, tp, sp = args.context_parallel_size, args.tensor_parallel_size, args.sequence_parallel
     A, M, C, V = args.grad_accum_steps, args.n_microbatches, config.n_embd, config.vocab_size
     b, Tc, L = micro_rows(args, dp * M), args.block_size // cp, config.n_layer // pp
-    act, s = b * Tc * C, compute_bytes(args)  # one activation at my CP positions, whole over TP
-    mb = A * M  # micro-batches a step
+    act, s, mb = b * Tc * C, compute_bytes(args), A * M  # act: a (b, T/cp, C); mb: a step's
     full, again = args.activation_checkpointing == "full", args.activation_checkpointing != "none"
     stages = hybrid_stages(tuple(vars(config).items()), pp, tp,
                            args.implementation == "pytorch" and sp)
@@ -528,6 +534,10 @@ def hybrid(args, world_size, config):
         rank.bubble = idle if pp > 1 else None  # the idle steps of its row of the timetable
         rank.activations = model_activations(config, args, b, Tc, L, first, last, tp, sp, tp)
         rank.peak_activations = in_flight * rank.activations
+        if last and args.implementation == "custom":  # VocabParallelCrossEntropy's backward
+            rank.transients["the loss's backward"] = loss_backward(config, b * Tc, s, tp, True)
+        if first and pp > 1:  # the embedding's backward: a dense fp32 (V/tp, C)
+            rank.floor = rank.model_state + rank.peak_activations + FP32 * V // tp * C
         local = FP32 * sum(numel for _, numel in held)
         rank.send("all_reduce", "ppxtp", FP32, pp * tp)  # clip_grad_norm_'s sum of squares
         if pp > 1 and (first or last):  # finish_gradients: the tied wte/lm_head, vocab/tp*C
@@ -572,8 +582,7 @@ PLANS = {"ddp_train.py": ddp,
 
 
 def plan(script, world_size, argv, nproc_per_node=None, args=None):
-    """Each rank's figures (a list of Rank), for `script` run on world_size ranks with argv (args:
-    its parsed flags, when the caller has them)."""
+    """Each rank's figures (Ranks), for `script` on world_size ranks with argv (args: its flags)."""
     import plan_report  # where the ranks sit: which of their bytes cross nodes
     args = args or plan_report.script_args(script, argv, world_size)
     config = gpt_config(args)
@@ -586,15 +595,6 @@ def plan(script, world_size, argv, nproc_per_node=None, args=None):
     return ranks
 
 
-def per_rank(ranks, world_size, key):  # one figure of every rank, in rank order
-    by_rank = {r: getattr(rank, key) for rank in ranks for r in rank.ranks}
-    return [by_rank.get(r) for r in range(world_size)]
-
-
-def main(argv=None):
-    import plan_report  # the command line: the report, the nodes, the GPU's time
-    return plan_report.main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the command line: plan_report.py (the report, the nodes, a GPU's time)
+    import plan_report
+    sys.exit(plan_report.main())

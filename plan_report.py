@@ -150,6 +150,11 @@ def human(nbytes):
     return f"{nbytes:,} B" if unit == 0 else f"{nbytes / 1024**unit:,.1f} {'KMG'[unit - 1]}iB"
 
 
+def per_rank(ranks, world_size, key):  # one figure of plan.plan's, every rank's, in rank order
+    by_rank = {r: getattr(rank, key) for rank in ranks for r in rank.ranks}
+    return [by_rank.get(r) for r in range(world_size)]
+
+
 def describe(script, ranks, nproc_per_node, nnodes):
     lines = [f"{script} on {nnodes} x {nproc_per_node} ranks"]
     for rank in ranks:
@@ -162,9 +167,11 @@ def describe(script, ranks, nproc_per_node, nnodes):
         if rank.activations:
             lines.append(f"  activations    {human(rank.activations)} a micro-batch's forward, "
                          f"{human(rank.peak_activations)} at the most in flight")
-        if rank.loss_chunk is not None:  # 0: no loss on this rank
-            lines.append(f"  loss chunk     {human(rank.loss_chunk)} more in the loss's backward"
-                         if rank.loss_chunk else "  loss chunk     none (no loss here)")
+        for name, nbytes in rank.transients.items():  # held at the peak with the activations
+            lines.append(f"  transient      {human(nbytes)}: {name}")
+        lines.append(f"  peak           {human(rank.memory)} on the device, in the loss's backward"
+                     if rank.memory > rank.floor else f"  peak           {human(rank.memory)} on "
+                     "the device, in the embedding's backward (its dense gradient)")
         for key, nbytes in sorted(rank.comm.items()):
             cross = f", {human(rank.between[key])} between nodes" if nnodes > 1 else ""
             lines.append(f"  {key:28s} {human(nbytes)} a step{cross}")
@@ -207,7 +214,8 @@ def main(argv=None):
     estimate = ours.gpu and estimate_step(ours.script, args, ranks, ours.gpu, ours.efficiency,
                                           world_size)
     if ours.json:
-        print(json.dumps(dict(ranks=[asdict(r) | {"model_state": r.model_state} for r in ranks],
+        print(json.dumps(dict(ranks=[asdict(r) | {"model_state": r.model_state, "memory": r.memory}
+                                     for r in ranks],
                               estimate=estimate or None), indent=1))
     else:
         print(describe(ours.script, ranks, ours.nproc_per_node, ours.nnodes))
@@ -216,19 +224,17 @@ def main(argv=None):
               f"{estimate['step_s'] * 1e3:,.1f} ms a step, {estimate['tokens_per_sec']:,.0f} "
               f"tokens/s, MFU {estimate['mfu']:.1%}; "
               f"memory {human(estimate['memory'])} of {human(GPUS[ours.gpu][1])} a GPU "
-              f"(model state, activations at their peak and the loss's chunk)"
+              f"(the largest rank's peak)"
               + ("" if estimate["fits"] else ": DOES NOT FIT"))
     return 0
 
 
 def estimate_step(script, args, ranks, gpu, efficiency, world_size):
     """The job's step: its slowest rank's; tokens/s and MFU from it; the most memory a rank holds
-    (model state, activations at their peak and the loss's chunk, where plan.py models it) and
-    whether it fits the GPU's."""
+    at its peak (plan.Rank.memory) and whether it fits the GPU's."""
     step = max(step_time(script, args, rank, gpu, efficiency) for rank in ranks)
     model_flops = sum(rank.flops[0] * len(rank.ranks) for rank in ranks)
-    memory = max(rank.model_state + rank.peak_activations + (rank.loss_chunk or 0)
-                 for rank in ranks)
+    memory = max(rank.memory for rank in ranks)
     return dict(step_s=step, tokens_per_sec=args.batch_size * args.block_size / step,
                 mfu=model_flops / (step * GPUS[gpu][0] * world_size), memory=memory,
                 fits=memory <= GPUS[gpu][1])

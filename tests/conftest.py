@@ -460,16 +460,22 @@ def _plain(t):
 class DeviceMemory(TorchDispatchMode):
     """A GPU's memory modelled on the CPU: inside it, every tensor an op allocates counts as device memory, except
     the copies `.to("cpu", copy=True)` makes (aten._to_copy to the CPU), which are CPU memory (is_cpu_copy tells
-    them). A tensor counts until Python frees it; `peak`: the most device bytes alive at once."""
+    them). A tensor counts until Python frees it; `peak`: the most device bytes alive at once.
+    whole_run: a whole run on the CPU as its device. Its copies to the CPU count; a storage counts until it is freed
+    (its last tensor, view or holder gone: a parameter made by to_empty, logits a view of which the loss saved), at its
+    size then: one resized in place (FSDP's reshard frees its unit with resize_(0), its gather resizes it back)
+    counts its new size at once, as CUDA's allocator frees and allocates those bytes."""
 
-    def __init__(self):
+    def __init__(self, whole_run=False):
         super().__init__()
         self.alive = 0
         self.peak = 0
+        self.sizes = {}  # id of each tensor (whole_run: storage) counted -> its bytes now
         self.cpu_copies = {}  # id -> weak reference
+        self.whole_run = whole_run
 
-    def _freed(self, nbytes):
-        self.alive -= nbytes
+    def _freed(self, key):
+        self.alive -= self.sizes.pop(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -478,14 +484,38 @@ class DeviceMemory(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if not _plain(t) or t.untyped_storage().data_ptr() in inputs:
                 continue  # a view or an in-place result: no new memory (a DTensor: its local ops count)
-            if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
+            if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu") \
+                    and not self.whole_run:
                 self.cpu_copies[id(t)] = weakref.ref(t)
                 continue
-            nbytes = t.untyped_storage().nbytes()
-            self.alive += nbytes
-            self.peak = max(self.peak, self.alive)
-            weakref.finalize(t, self._freed, nbytes)
+            # whole_run: the storage, one Python object while it lives (torch keeps it)
+            owner = t.untyped_storage() if self.whole_run else t
+            if id(owner) not in self.sizes:
+                self.sizes[id(owner)] = t.untyped_storage().nbytes()
+                self.alive += self.sizes[id(owner)]
+                self.peak = max(self.peak, self.alive)
+                weakref.finalize(owner, self._freed, id(owner))
         return out
+
+    def __enter__(self):
+        if not self.whole_run:
+            return super().__enter__()
+        resize = self._resize = torch.UntypedStorage.resize_
+
+        def counted_resize(storage, nbytes):
+            out = resize(storage, nbytes)
+            if id(storage) in self.sizes:
+                self.alive += storage.nbytes() - self.sizes[id(storage)]
+                self.sizes[id(storage)] = storage.nbytes()
+                self.peak = max(self.peak, self.alive)
+            return out
+        torch.UntypedStorage.resize_ = counted_resize
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self.whole_run:
+            torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     def is_cpu_copy(self, t):
         ref = self.cpu_copies.get(id(t))

@@ -31,9 +31,12 @@ from torch._dynamo.utils import counters  # noqa: E402
 from common.distributed import teardown  # noqa: E402
 from common.metrics import Metrics, timers  # noqa: E402
 import plan  # noqa: E402
+import plan_report  # noqa: E402
 
 COUNTED = ("frames", "stats", "graph_break")  # what dynamo traced, compiled, and where it broke
 after_first_step = []  # this run's counters after its first training step, once taken
+MEMORY = "@memory"  # in a run's flags: the run goes under conftest.DeviceMemory (measured below)
+memory = dict(meter=None, steps=0, step_peak=None)  # the run's meter, its steps, its second's peak
 
 
 def counted():
@@ -45,6 +48,11 @@ def step_counted(step):
         step(self, *args, **kwargs)
         if not after_first_step:
             after_first_step.append(counted())
+        if memory["meter"] is not None:  # from the first step's end to the second's: a step's peak
+            meter, memory["steps"] = memory["meter"], memory["steps"] + 1
+            if memory["steps"] == 2:
+                memory["step_peak"] = meter.peak
+            meter.peak = meter.alive
     return call
 
 
@@ -102,19 +110,19 @@ def check_plan(script, argv, out_dir):
         return  # a run that took no step (--max_iters 0, a resume at its end) has no gradients: the plan is a step's
     logged = summary[-1]["model_state_bytes_per_rank"]
     ranks = plan.plan(script, len(logged), argv)
-    predicted = plan.per_rank(ranks, len(logged), "model_state")
+    predicted = plan_report.per_rank(ranks, len(logged), "model_state")
     if predicted != logged:
         raise AssertionError(f"plan.py {script} {' '.join(argv)}: model state per rank {predicted}, the run "
                              f"logged {logged}")
     if "pytorch" in argv:  # the peers' activations are torch's schedules' and policies': not planned
         return
     peak = summary[-1].get("peak_activation_bytes_per_rank")  # a pipeline's: the schedule's most held
-    planned = plan.per_rank(ranks, len(logged), "peak_activations")
+    planned = plan_report.per_rank(ranks, len(logged), "peak_activations")
     if peak and peak != planned:
         raise AssertionError(f"plan.py {script} {' '.join(argv)}: activations at the peak per rank {planned}, "
                              f"the run logged {peak}")
     saved = summary[-1].get("saved_activation_bytes_per_rank") or []  # one micro-batch's forward
-    for predicted, measured in zip(plan.per_rank(ranks, len(logged), "activations"), saved):
+    for predicted, measured in zip(plan_report.per_rank(ranks, len(logged), "activations"), saved):
         if measured is not None and abs(predicted - measured) > 0.05 * measured:
             raise AssertionError(f"plan.py {script} {' '.join(argv)}: activations {predicted}, the run "
                                  f"logged {measured}: more than 5% apart")
@@ -147,13 +155,27 @@ if __name__ == "__main__":
         fresh_run_state()
         after_first_step.clear()
         attends.update(forward=0, backward=0)
+        measured = MEMORY in argv
+        argv = [arg for arg in argv if arg != MEMORY]
         sys.argv = [f"{script}.py", *argv]  # as in a run of its own (a checkpoint names the script that wrote it)
-        scripts[script].main(argv)
+        if measured:
+            from conftest import DeviceMemory  # the test environment's model of a GPU's memory
+            import common.model  # and CUDA's loss path, which plan.loss_backward counts
+            memory.update(meter=DeviceMemory(whole_run=True), steps=0, step_peak=None)
+            common.model.RECOMPUTE_LOG_SOFTMAX, cpu_loss = True, common.model.RECOMPUTE_LOG_SOFTMAX
+            with memory["meter"]:
+                scripts[script].main(argv)
+            memory["meter"], common.model.RECOMPUTE_LOG_SOFTMAX = None, cpu_loss
+        else:
+            scripts[script].main(argv)
         if "--out_dir" not in argv:
             continue
         out_dir, rank = argv[argv.index("--out_dir") + 1], os.environ.get("RANK", "0")
         if rank == "0":
             check_plan(f"{script}.py", argv, out_dir)
+        if measured:
+            with open(os.path.join(out_dir, f"memory_rank{rank}.json"), "w") as f:
+                json.dump(dict(step_peak=memory["step_peak"]), f)
         with open(os.path.join(out_dir, f"attend_rank{rank}.json"), "w") as f:
             json.dump(attends, f)
         if after_first_step:

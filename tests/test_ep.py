@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import common.model
 import ep_train
 import plan
+import plan_report
 from conftest import PARITY, TINY, paired, read_metrics, refusal, spawn, worst
 from common.config import gpt_config, parse_args
 from common.data import get_batch
@@ -517,7 +518,7 @@ def test_each_rank_holds_its_experts_and_their_adamw_state_only(runs):
     full = {n: p.numel() for n, p in GPT(gpt_config(parse_args("ep", None, TINY + MOE)), device="meta")
             .named_parameters()}
     expert_numel = sum(v for n, v in full.items() if ".experts." in n)
-    planned = plan.per_rank(plan.plan("ep_train.py", 2, TINY + MOE + ACCUM), 2, "model_state")  # 16 bytes a number
+    planned = plan_report.per_rank(plan.plan("ep_train.py", 2, TINY + MOE + ACCUM), 2, "model_state")  # 16 bytes a number
     held = []
     for rank, r in enumerate(runs["checks2"]):
         _, experts, state, state_bytes, _ = r["ledger"]["float32"]

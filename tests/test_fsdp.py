@@ -20,6 +20,7 @@ from common.metrics import held_bytes
 from common.model import GPT, GPTConfig, init_tensor
 import common.sharded_checkpoint
 import plan
+import plan_report
 from fsdp_train import FSDP, FlatParamUnit, FullyShardedGPT, ShardedAdamW, add_fsdp_flags, checkpoint, resume
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
@@ -362,7 +363,7 @@ def test_script_two_ranks_checkpoint_metrics_and_summary(tmp_path):
     summary = records[-1]
     # each rank holds 1/N of every unit: fp32 param, grad, exp_avg, exp_avg_sq shards + AdamW's step (4 bytes a unit),
     # as plan.py counts it
-    assert summary["model_state_bytes_per_rank"] == plan.per_rank(plan.plan("fsdp_train.py", 2, TINY), 2, "model_state")
+    assert summary["model_state_bytes_per_rank"] == plan_report.per_rank(plan.plan("fsdp_train.py", 2, TINY), 2, "model_state")
     # the waits on communication were timed on every rank (their length is not asserted: no timing in tests)
     exposed = summary["exposed_comm_ms_per_rank"]
     assert len(exposed) == 2 and all(isinstance(ms, float) and math.isfinite(ms) for ms in exposed), exposed

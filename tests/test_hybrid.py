@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import plan
+import plan_report
 from conftest import TINY, refusal, spawn
 from hybrid_train import (AXES, GROUPS, Hybrid, add_hybrid_flags, axis_groups, check_hybrid_args, grid_error,
                           rank_grid, shard, tied_pairs)
@@ -263,7 +264,7 @@ def test_model_state_is_16_bytes_a_parameter_of_this_ranks_shard_of_its_stage(le
     config = gpt_config(parse_args("hybrid", add_hybrid_flags, LEDGER_FLAGS))
     tp, pp, V, C = 2, 2, config.vocab_size, config.n_embd
     total = sum(p.numel() for p in GPT(config, device="meta").parameters())  # P: the tied wte/lm_head once
-    planned = plan.per_rank(plan.plan("hybrid_train.py", 8, ledger_flags(sp)), 8, "model_state")
+    planned = plan_report.per_rank(plan.plan("hybrid_train.py", 8, ledger_flags(sp)), 8, "model_state")
     for rank, (place, _, state_bytes) in enumerate(ranks):
         # plan.py's: its stage's TP shards, the replicated tensors, the head's copy; + AdamW's step a tensor
         assert state_bytes == planned[rank], (place, state_bytes, planned[rank])
@@ -279,7 +280,7 @@ def test_collective_bytes_per_axis_follow_the_docstring(ledger):
     C, V, L = config.n_embd, config.vocab_size, config.n_layer // pp
     b, Tc = 8 // M, config.block_size // cp  # rows a micro-batch (dp 1, one micro-step); positions a CP rank
     act = b * Tc * C  # one activation at my CP positions, whole over TP
-    planned = plan.per_rank(plan.plan("hybrid_train.py", 8, ledger_flags(sp)), 8, "comm")
+    planned = plan_report.per_rank(plan.plan("hybrid_train.py", 8, ledger_flags(sp)), 8, "comm")
     for rank, (place, moved, _) in enumerate(ranks):
         first, last = place["first"], place["last"]
         by_axis = {}

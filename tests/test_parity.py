@@ -24,8 +24,8 @@ import threading
 import pytest
 import torch
 
-from conftest import (ONE_PROCESS_THREADS, PARITY, PARITY_EVAL_ITERS, PARITY_STEPS, REPO, TP_DROPOUT, TP_DROPOUT_STEPS,
-                      assert_alone_is_batched_prefix, finite, paired, peer_needs, run_record, runs_here,
+from conftest import (ONE_PROCESS_THREADS, PARITY, PARITY_EVAL_ITERS, PARITY_STEPS, REPO, TINY, TP_DROPOUT,
+                      TP_DROPOUT_STEPS, assert_alone_is_batched_prefix, finite, paired, peer_needs, run_record, runs_here,
                       tp_dropout_args, worst)
 from common.data import get_batch
 from common.model import GPT, GPTConfig
@@ -377,6 +377,31 @@ def test_check_fails_on_any_nan_a_short_reference_or_a_missing_evaluation(monkey
         check("no reference evaluation", ref, dict(ref, eval=ref["eval"][:1]), ref)
 
 
+# tests/test_plan.py's memory runs, in the 2-rank launch: a step's peak on a modelled GPU (tests/runs.py's MEMORY)
+# against plan.Rank.memory, every custom script's formulas once (its loss, FSDP's gathered units, ZeRO-3's fetched
+# head, the pipelines' first stage and vocabulary pass), within `tolerance` bytes either way: what the plan leaves
+# out (a few small tensors; the pipelines' first stage: its activations bounded by their peak; ep: routing's rows)
+MEMORY_FLAGS = TINY + ["--max_iters", "2", "--seed", "1337"]
+MEMORY_RUNS = [  # (script, flags, tolerance)
+    ("ddp_train.py", ["--dtype", "bfloat16", "--grad_accum_steps", "2"], 2**17),
+    ("fsdp_train.py", [], 2**17),
+    ("fsdp_train.py", ["--reshard_after_forward", "false", "--activation_checkpointing", "full"], 2**17),
+    ("zero3_train.py", ["--dtype", "bfloat16"], 2**17),
+    ("zero3_train.py", ["--stage", "2"], 2**17),
+    ("tp_train.py", ["--sequence_parallel", "--dtype", "bfloat16"], 2**17),
+    ("cp_train.py", [], 2**17),
+    ("ep_train.py", [], 2**19),
+    ("pp_train.py", [], 2**19),
+    ("pp_vocab_train.py", [], 2**19),
+    ("hybrid_train.py", ["--pipeline_parallel_size", "2", "--data_parallel_size", "1"], 2**19),
+]
+
+
+def memory_args(flags):
+    from runs import MEMORY
+    return [MEMORY] + MEMORY_FLAGS + flags
+
+
 def launch_group(nproc, as_user=False):
     """Every run of this file at nproc ranks under one launcher (tests/user_torch.py or tests/runs.py) that this torch
     runs, every script's, as (script, args): one launch. The parity rows; under runs.py also the activation-
@@ -390,6 +415,7 @@ def launch_group(nproc, as_user=False):
         group += [("hybrid_train.py", args) for args in hybrid_runs(nproc)] if nproc == 4 else []
         group += [("tp_train.py", tp_dropout_args(*run) + ["--max_iters", str(TP_DROPOUT_STEPS)])
                   for run in TP_DROPOUT] if nproc == 2 else []  # tests/test_tp.py's, compared with runs alone
+        group += [(script, memory_args(flags)) for script, flags, _ in MEMORY_RUNS] if nproc == 2 else []
     return group
 
 

@@ -10,6 +10,8 @@ import re
 import pytest
 
 import plan
+import plan_report
+from test_parity import MEMORY_FLAGS, MEMORY_RUNS, launch_group, memory_args
 
 LAYOUTS = {  # a layout each script accepts at 4 ranks, with the flags that make it one
     "ddp_train.py": [], "fsdp_train.py": [], "zero3_train.py": ["--stage", "2"], "zero3_tuning_train.py": [],
@@ -24,19 +26,19 @@ LAYOUTS = {  # a layout each script accepts at 4 ranks, with the flags that make
 @pytest.mark.parametrize("script", list(plan.PLANS))
 def test_every_script_plans_every_rank(script, capsys):
     assert set(LAYOUTS) == set(plan.PLANS)
-    assert plan.main(["--nproc_per_node", "4", "--json", script, *LAYOUTS[script]]) == 0
+    assert plan_report.main(["--nproc_per_node", "4", "--json", script, *LAYOUTS[script]]) == 0
     ranks = json.loads(capsys.readouterr().out)["ranks"]
     assert sorted(r for rank in ranks for r in rank["ranks"]) == [0, 1, 2, 3]  # each rank once
     for rank in ranks:
         assert rank["model_state"] == rank["params"] + rank["grads"] + rank["optimizer"] > 0
         assert all(value > 0 for value in rank["comm"].values()) and rank["comm"], rank
-    assert plan.main(["--nproc_per_node", "4", script, *LAYOUTS[script]]) == 0
+    assert plan_report.main(["--nproc_per_node", "4", script, *LAYOUTS[script]]) == 0
     assert "model state" in capsys.readouterr().out
 
 
 def test_bad_input_is_the_scripts_own_line(capsys):
     with pytest.raises(SystemExit) as stop:
-        plan.main(["--nproc_per_node", "3", "tp_train.py"])
+        plan_report.main(["--nproc_per_node", "3", "tp_train.py"])
     assert stop.value.code not in (0, None)
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: --n_head: 4 must be divisible by --tensor_parallel_size (3)")
@@ -68,7 +70,7 @@ def test_activations_are_printed_with_the_most_in_flight(capsys):
     """1F1B at 2 ranks and 4 micro-batches: rank 0 holds 2 micro-batches at its peak (warm-up p - r), rank 1 one."""
     ranks = plan.plan("pp_train.py", 2, ["--n_layer", "4", "--n_microbatches", "4", "--schedule", "1f1b"])
     assert [rank.peak_activations // rank.activations for rank in ranks] == [2, 1]
-    assert plan.main(["--nproc_per_node", "2", "--nnodes", "2", "ddp_train.py"]) == 0
+    assert plan_report.main(["--nproc_per_node", "2", "--nnodes", "2", "ddp_train.py"]) == 0
     out = capsys.readouterr().out
     assert "at the most in flight" in out and "between nodes" in out
 
@@ -76,19 +78,18 @@ def test_activations_are_printed_with_the_most_in_flight(capsys):
 def test_gpu_time_is_compute_at_the_efficiency_plus_what_is_not_hidden(capsys):
     """--gpu: one rank computes at the stated share of peak (MFU = it, recompute aside); tp's all-reduces are on
     the critical path, each 2(n-1)/n of its bytes at NVLink's bandwidth; an unknown GPU is one line."""
-    import plan_report
-    assert plan.main(["--json", "--gpu", "h100", "--efficiency", "0.4", "ddp_train.py", "--dtype", "bfloat16"]) == 0
+    assert plan_report.main(["--json", "--gpu", "h100", "--efficiency", "0.4", "ddp_train.py", "--dtype", "bfloat16"]) == 0
     estimate = json.loads(capsys.readouterr().out)["estimate"]
     assert estimate["mfu"] == pytest.approx(0.4) and estimate["fits"]
     flags = ["--tensor_parallel_size", "2", "--dtype", "bfloat16"]
-    assert plan.main(["--json", "--nproc_per_node", "2", "--gpu", "a100", "tp_train.py", *flags]) == 0
+    assert plan_report.main(["--json", "--nproc_per_node", "2", "--gpu", "a100", "tp_train.py", *flags]) == 0
     out = json.loads(capsys.readouterr().out)
     (rank,), peak, _, nvlink, _ = out["ranks"], *plan_report.GPUS["a100"]
     comm = sum(2 * (2 - 1) / 2 * nbytes / nvlink for nbytes in rank["comm"].values())  # all all-reduces
     assert set(key.split("@")[0] for key in rank["comm"]) == {"all_reduce"}
     assert out["estimate"]["step_s"] == pytest.approx(rank["flops"][1] / (peak * 0.5) + comm)
     with pytest.raises(SystemExit) as stop:
-        plan.main(["--gpu", "tpu", "ddp_train.py"])
+        plan_report.main(["--gpu", "tpu", "ddp_train.py"])
     assert stop.value.code == 2 and "--gpu: invalid choice: 'tpu'" in capsys.readouterr().err
 
 
@@ -100,7 +101,6 @@ def tiny_gpu(monkeypatch):
     """A GPU of 80 MiB, so that at the small preset some layouts need checkpointing or accumulation and some fit in
     no variant, whose links are slow beside its compute, so that a mode that recomputes more can win by taking fewer
     micro-steps."""
-    import plan_report
     monkeypatch.setitem(plan_report.GPUS, "tiny", (1e14, 80 * 2**20, 1e9, 1e8))
 
 
@@ -109,9 +109,8 @@ def test_the_search_finds_what_planning_every_variant_finds(tiny_gpu, capsys):
     ends the layout): every variant of every layout planned here, with no pruning, ranks the same best layouts with
     the same times; every printed command is one the script accepts, and plans to the printed time; the counts add
     up."""
-    import plan_report
     import plan_search
-    assert plan.main([*SEARCH, "--top", "100"]) == 0
+    assert plan_report.main([*SEARCH, "--top", "100"]) == 0
     out = capsys.readouterr().out.splitlines()
     rows = [line.split()[1:] for line in out if re.match(r" ?\d+ +[\d,.]+ +[\d,]+ +[\d.]+%", line)]
     commands = [line.split(" 2 ", 1)[1].split() for line in out if line.startswith("   torchrun")]
@@ -136,7 +135,7 @@ def test_the_search_finds_what_planning_every_variant_finds(tiny_gpu, capsys):
     assert len(rows) == len(commands) == len(expected) > 10
     assert [[row[0], *row[-2:]] for row in rows] == expected  # each layout's time and memory
     for command in commands[:3]:  # the first three again, each as its own plan
-        assert plan.main(["--json", "--nproc_per_node", "2", "--nnodes", "2", "--gpu", "tiny", *command]) == 0
+        assert plan_report.main(["--json", "--nproc_per_node", "2", "--nnodes", "2", "--gpu", "tiny", *command]) == 0
         estimate = json.loads(capsys.readouterr().out)["estimate"]
         assert f"{estimate['step_s'] * 1e3:,.1f}" == rows[commands.index(command)][0]
     counts = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) (?:layouts|fit|that)", out[-1])]
@@ -150,10 +149,23 @@ def test_the_search_refuses_what_it_cannot_search_in_one_line(capsys):
                        (["--global_batch_tokens", "1000"], "--global_batch_tokens: 1000 must be divisible by"),
                        (["--n_head", "5"], "--n_head: n_embd (128) must be divisible by n_head (5)")]:
         with pytest.raises(SystemExit) as stop:
-            plan.main(["--search", "--gpu", "h100", "--global_batch_tokens", "4096", *argv])
+            plan_report.main(["--search", "--gpu", "h100", "--global_batch_tokens", "4096", *argv])
         assert stop.value.code not in (0, None)
         said = capsys.readouterr().err.strip().splitlines()[-1:] or [stop.value.code]  # a SystemExit's line: its code
         assert line in said[0], said
     with pytest.raises(SystemExit):
-        plan.main(["--search", "--global_batch_tokens", "4096"])
+        plan_report.main(["--search", "--global_batch_tokens", "4096"])
     assert "--gpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script,flags,tolerance", MEMORY_RUNS, ids=[f"{s} {' '.join(f)}" for s, f, _ in MEMORY_RUNS])
+def test_a_steps_peak_on_the_device_is_the_plans(script, flags, tolerance, shared_run):
+    """plan.Rank.memory, each rank's peak in a step, against the peak of a run's second step on a modelled GPU
+    (tests/runs.py: conftest.DeviceMemory over the whole run, CUDA's loss path), rank by rank."""
+    shared_run.batch(2, launch_group(2))
+    out_dir, _ = shared_run(script, 2, memory_args(flags))
+    planned = plan_report.per_rank(plan.plan(script, 2, MEMORY_FLAGS + flags), 2, "memory")
+    for rank, bytes_planned in enumerate(planned):
+        with open(out_dir / f"memory_rank{rank}.json") as f:
+            measured = json.load(f)["step_peak"]
+        assert abs(bytes_planned - measured) <= tolerance, (rank, bytes_planned, measured, bytes_planned - measured)
