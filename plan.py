@@ -260,8 +260,8 @@ def zero3(args, world_size, config, threshold=0, reuse=math.inf):
         wte, e = owner["transformer.wte.weight"], compute_bytes(args)  # forward to its backward
         if stage == 3 and N > 1 and wte is not None and (wte not in members or e < FP32):
             rank.transients["the head's fetched weight"] = e * sizes["transformer.wte.weight"]
-        ranks.append(saving(rank, config, args, micro_rows(args, N), copies=stage < 3))  # 3: no
-        # autocast copies: stage 3 fetches the weights in the compute dtype
+        # stage 3 fetches the weights in the compute dtype: autocast makes no copies of them
+        ranks.append(saving(rank, config, args, micro_rows(args, N), copies=stage < 3))
     return grouped(ranks)
 
 
