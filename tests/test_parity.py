@@ -378,7 +378,7 @@ def test_check_fails_on_any_nan_a_short_reference_or_a_missing_evaluation(monkey
 
 
 # tests/test_plan.py's memory runs, in the 2-rank launch: a step's peak on a modelled GPU (tests/runs.py's MEMORY)
-# against plan.Rank.memory, every custom script's formulas once (its loss, FSDP's gathered units, ZeRO-3's fetched
+# against plan.Rank.memory, every custom script's formulas once and the peers whose peak the plan gives (its loss, FSDP's gathered units, ZeRO-3's fetched
 # head, the pipelines' first stage and vocabulary pass), within `tolerance` bytes either way: what the plan leaves
 # out (a few small tensors; the pipelines' first stage: its activations bounded by their peak; ep: routing's rows)
 MEMORY_FLAGS = TINY + ["--max_iters", "2", "--seed", "1337"]
@@ -394,6 +394,10 @@ MEMORY_RUNS = [  # (script, flags, tolerance)
     ("pp_train.py", [], 2**19),
     ("pp_vocab_train.py", [], 2**19),
     ("hybrid_train.py", ["--pipeline_parallel_size", "2", "--data_parallel_size", "1"], 2**19),
+    # the peers built on torch DDP (plan_report.peak_measured): the custom's loss and buffers
+    ("ddp_train.py", ["--implementation", "pytorch"], 2**17),
+    ("zero3_train.py", ["--implementation", "pytorch", "--stage", "1"], 2**17),
+    ("ep_train.py", ["--implementation", "pytorch"], 2**19),
 ]
 
 
