@@ -156,9 +156,9 @@ def per_rank(ranks, world_size, key):  # one figure of plan.plan's, every rank's
 
 
 def peak_measured(script, args):
-    """Whether plan.Rank.memory is measured for this run (tests/test_plan.py): every custom script's,
-    and the peers built on torch DDP, which keep the custom's buffers; FSDP2, DTensor's TP and
-    torch's pipelines keep their own, which the plan does not model."""
+    """Whether plan.Rank.memory is measured for this run (tests/test_plan.py): every custom
+    script's, and the peers built on torch DDP, which keep the custom's buffers; FSDP2, DTensor's
+    TP and torch's pipelines keep their own, which the plan does not model."""
     return args.implementation == "custom" or script in ("ddp_train.py", "ep_train.py") or (
         script == "zero3_train.py" and args.stage < 3)
 

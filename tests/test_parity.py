@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from conftest import (ONE_PROCESS_THREADS, PARITY, PARITY_EVAL_ITERS, PARITY_STEPS, REPO, TINY, TP_DROPOUT,
-                      TP_DROPOUT_STEPS, assert_alone_is_batched_prefix, finite, paired, peer_needs, run_record, runs_here,
-                      tp_dropout_args, worst)
+                      TP_DROPOUT_STEPS, assert_alone_is_batched_prefix, finite, paired, peer_needs, run_record,
+                      runs_here, tp_dropout_args, worst)
 from common.data import get_batch
 from common.model import GPT, GPTConfig
 
@@ -378,9 +378,10 @@ def test_check_fails_on_any_nan_a_short_reference_or_a_missing_evaluation(monkey
 
 
 # tests/test_plan.py's memory runs, in the 2-rank launch: a step's peak on a modelled GPU (tests/runs.py's MEMORY)
-# against plan.Rank.memory, every custom script's formulas once and the peers whose peak the plan gives (its loss, FSDP's gathered units, ZeRO-3's fetched
-# head, the pipelines' first stage and vocabulary pass), within `tolerance` bytes either way: what the plan leaves
-# out (a few small tensors; the pipelines' first stage: its activations bounded by their peak; ep: routing's rows)
+# against plan.Rank.memory, every custom script's formulas once (its loss, FSDP's gathered units, ZeRO-3's fetched
+# head, the pipelines' first stage and vocabulary pass) and the peers whose peak the plan gives, within `tolerance`
+# bytes either way: what the plan leaves out (a few small tensors; the pipelines' first stage: its activations
+# bounded by their peak; ep: routing's rows)
 MEMORY_FLAGS = TINY + ["--max_iters", "2", "--seed", "1337"]
 MEMORY_RUNS = [  # (script, flags, tolerance)
     ("ddp_train.py", ["--dtype", "bfloat16", "--grad_accum_steps", "2"], 2**17),

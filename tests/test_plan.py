@@ -78,7 +78,8 @@ def test_activations_are_printed_with_the_most_in_flight(capsys):
 def test_gpu_time_is_compute_at_the_efficiency_plus_what_is_not_hidden(capsys):
     """--gpu: one rank computes at the stated share of peak (MFU = it, recompute aside); tp's all-reduces are on
     the critical path, each 2(n-1)/n of its bytes at NVLink's bandwidth; an unknown GPU is one line."""
-    assert plan_report.main(["--json", "--gpu", "h100", "--efficiency", "0.4", "ddp_train.py", "--dtype", "bfloat16"]) == 0
+    argv = ["--json", "--gpu", "h100", "--efficiency", "0.4", "ddp_train.py", "--dtype", "bfloat16"]
+    assert plan_report.main(argv) == 0
     estimate = json.loads(capsys.readouterr().out)["estimate"]
     assert estimate["mfu"] == pytest.approx(0.4) and estimate["fits"]
     flags = ["--tensor_parallel_size", "2", "--dtype", "bfloat16"]
