@@ -184,27 +184,29 @@ def fsdp_units(config):
     return [units.pop(key) for key in list(units) if key != "root"] + [units["root"]]
 
 
-def sharded(args, world_size, config, reshard):
+def sharded(args, world_size, config, reshard, R=1, group="world"):
     """fsdp_train.py, and the FSDP2 peers of it and of zero3 --stage 3: per unit a rank holds its
     local_shard of ceil(numel/N) values (FSDP2: each tensor's dim-0 rows). Per micro-step each unit
-    is gathered before forward (a block again for backward, resharded), its gradient scattered."""
-    N, A, custom = world_size, args.grad_accum_steps, args.implementation == "custom"
+    is gathered before forward (a block again for backward, resharded), its gradient scattered.
+    fsdp_hsdp_train.py: N = world/R ranks a shard group, and the shards all-reduced over R once."""
+    N, A, custom = world_size // R, args.grad_accum_steps, args.implementation == "custom"
     units, gather = fsdp_units(config), compute_bytes(args)  # unshard: in the compute dtype
     ranks = []
     for r in [0] if custom else range(N):  # custom: every rank's shards are the same size
         if custom:  # FlatParamUnit: shard_size = ceil(numel / N), and one AdamW step, per unit
             local = padded = [-(-sum(map(math.prod, shapes)) // N) for shapes in units]
-            rank = Rank(list(range(N)), **adamw(local))
+            rank = Rank(list(range(world_size)), **adamw(local))
         else:  # FSDP2: one DTensor, and one AdamW step, per tensor
             pieces = [[dim0_shard(shape, N, r) for shape in shapes] for shapes in units]
-            rank = Rank([r], **adamw(own for unit in pieces for own, _ in unit))
+            rank = Rank(list(range(r, world_size, N)), **adamw(o for u in pieces for o, _ in u))
             padded = [sum(pad for _, pad in unit) for unit in pieces]
         if N > 1:
             blocks = sum(padded[:-1])
-            rank.send("all_gather", "world", A * gather * (sum(padded) + reshard * blocks))
-            rank.send("reduce_scatter", "world", A * FP32 * N * sum(padded))
-            rank.send("all_reduce", "world", FP32)  # clip_grad_norm_: the shards' squares
-        saving(rank, config, args, micro_rows(args, N), copies=not custom)
+            rank.send("all_gather", group, A * gather * (sum(padded) + reshard * blocks))
+            rank.send("reduce_scatter", group, A * FP32 * N * sum(padded))
+            rank.send("all_reduce", group, FP32)  # clip_grad_norm_: the shards' squares
+        rank.send("all_reduce", "replicate", FP32 * sum(padded), R)  # the step's shard, summed
+        saving(rank, config, args, micro_rows(args, world_size), copies=not custom)
         if custom:  # a matmul saves its weight, gathered in the compute dtype: a view of its unit,
             kept = padded[-1:] if args.activation_checkpointing == "full" else padded  # whose
             rank.activations += N * gather * sum(kept)  # storage counts whole (full: the root's)
@@ -572,6 +574,8 @@ def hybrid(args, world_size, config):
 
 PLANS = {"ddp_train.py": ddp,
          "fsdp_train.py": lambda args, n, c: sharded(args, n, c, args.reshard_after_forward),
+         "fsdp_hsdp_train.py": lambda args, n, c: sharded(args, n, c, args.reshard_after_forward,
+                                                          args.replicate_size, "shard"),
          "zero3_train.py": zero3,
          "zero3_tuning_train.py": lambda args, n, c: zero3(args, n, c, args.persistence_threshold,
                                                            args.max_reuse_distance),

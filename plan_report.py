@@ -37,6 +37,8 @@ def grid_axes(script, args, world_size):
     if name == "hybrid":
         return [("dp", args.data_parallel_size), ("pp", args.pipeline_parallel_size),
                 ("cp", args.context_parallel_size), ("tp", args.tensor_parallel_size)]
+    if script == "fsdp_hsdp_train.py":  # (-1, S): a shard group's ranks consecutive
+        return [("replicate", args.replicate_size), ("shard", world_size // args.replicate_size)]
     if name in ("tp", "cp", "ep"):  # its grid, (-1, size) (ep: (replicas, -1))
         inner = world_size // args.data_parallel_size if name == "ep" else getattr(
             args, {"tp": "tensor_parallel_size", "cp": "context_parallel_size"}[name])
@@ -100,9 +102,11 @@ GPUS = {"a100": (312e12, 80 * 2**30, 300e9, 25e9), "h100": (989e12, 80 * 2**30, 
         "h200": (989e12, 143771 * 2**20, 450e9, 50e9)}
 
 # What each script runs behind its compute (its docstring): DDP's buckets during backward, FSDP's
-# prefetched gathers and its reduce-scatters, ZeRO's async reduces (stage 3: its prefetched
+# prefetched gathers and its reduce-scatters (HSDP: and the replicas' all-reduce), ZeRO's async reduces (stage 3: its prefetched
 # broadcasts), the ring's K, V hops under the attention, tp_overlap's pieces under the matmuls.
-HIDDEN = {"ddp": ["all_reduce@world"], "fsdp": ["all_gather@world", "reduce_scatter@world"],
+HIDDEN = {"ddp": ["all_reduce@world"], "fsdp": ["all_gather@world", "reduce_scatter@world",
+                                                "all_gather@shard", "reduce_scatter@shard",
+                                                "all_reduce@replicate"],  # HSDP's too
           "zero3": ["reduce@world"], "cp": ["send@cp"], "ep": ["all_reduce@world"],
           "hybrid": ["send@cp"]}
 
@@ -163,7 +167,19 @@ def peak_measured(script, args):
         script == "zero3_train.py" and args.stage < 3)
 
 
-def describe(script, ranks, nproc_per_node, nnodes, measured=True):
+def activations_measured(script, args):
+    """Whether plan.Rank.activations is checked against this run's log (tests/runs.py): every custom
+    script's, and the peers' but under torch's selective checkpointing (SAC caches out of the
+    meter's sight, and keeps more than ours), torch's pipelines', the hybrid peer's (its meter
+    spans all micro-batches) and cp's (CUDA only): for those the plan prints the custom script's."""
+    return args.implementation == "custom" or (
+        args.activation_checkpointing != "selective" and script.split("_")[0] in DENSE_PEERS)
+
+
+DENSE_PEERS = ("ddp", "fsdp", "zero3", "tp", "ep")  # their peers' activations: measured as ours
+
+
+def describe(script, ranks, nproc_per_node, nnodes, measured=True, acts_measured=True):
     lines = [f"{script} on {nnodes} x {nproc_per_node} ranks"]
     for rank in ranks:
         r = rank.ranks
@@ -174,7 +190,8 @@ def describe(script, ranks, nproc_per_node, nnodes, measured=True):
                      f"grads {human(rank.grads)}, AdamW {human(rank.optimizer)})")
         if rank.activations:
             lines.append(f"  activations    {human(rank.activations)} a micro-batch's forward, "
-                         f"{human(rank.peak_activations)} at the most in flight")
+                         f"{human(rank.peak_activations)} at the most in flight"
+                         + ("" if acts_measured else " (the custom script's)"))
         for name, nbytes in rank.transients.items():  # held at the peak with the activations
             lines.append(f"  transient      {human(nbytes)}: {name}")
         lines.append(f"  peak           {human(rank.memory)} on the device, in the loss's backward"
@@ -222,13 +239,13 @@ def main(argv=None):
     ranks = plan.plan(ours.script, world_size, theirs, ours.nproc_per_node, args=args)
     estimate = ours.gpu and estimate_step(ours.script, args, ranks, ours.gpu, ours.efficiency,
                                           world_size)
-    measured = peak_measured(ours.script, args)
+    measured, acts = peak_measured(ours.script, args), activations_measured(ours.script, args)
     if ours.json:
         print(json.dumps(dict(ranks=[asdict(r) | {"model_state": r.model_state, "memory": r.memory}
-                                     for r in ranks],
-                              peak_measured=measured, estimate=estimate or None), indent=1))
+                                     for r in ranks], peak_measured=measured,
+                              activations_measured=acts, estimate=estimate or None), indent=1))
     else:
-        print(describe(ours.script, ranks, ours.nproc_per_node, ours.nnodes, measured))
+        print(describe(ours.script, ranks, ours.nproc_per_node, ours.nnodes, measured, acts))
     if estimate and not ours.json:
         whose = "" if measured else ", as the custom script's"
         print(f"on {ours.gpu} at {ours.efficiency:.0%} of peak: "

@@ -54,6 +54,9 @@ def layouts(world, config):
     yield "ddp_train.py", [], 1, world
     for reshard in (True, False):
         yield "fsdp_train.py", flag(("--reshard_after_forward", reshard)), 1, world
+        for replicas in divisors(world)[1:]:  # HSDP: sharded over world / R, replicated R times
+            sizes = flag(("--replicate_size", replicas), ("--reshard_after_forward", reshard))
+            yield "fsdp_hsdp_train.py", sizes, 1, world
     for stage in (1, 2, 3):
         yield "zero3_train.py", flag(("--stage", stage)), 1, world
     yield "zero3_tuning_train.py", [], 1, world  # stage 3, with DeepSpeed's reuse and buckets

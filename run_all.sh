@@ -42,7 +42,7 @@ if [ -z "${NANODIST_OFFLINE_DIR:-}" ] && [ -f ../shared/data/tinyshakespeare/inp
   export NANODIST_OFFLINE_DIR=$(cd ../shared && pwd)
 fi
 
-SCRIPTS=$(for s in ${ONLY:-ddp fsdp zero3 zero3_tuning tp tp_overlap pp pp_zb pp_vocab cp hybrid ep}; do [ -f "${s}_train.py" ] && echo "$s"; done)
+SCRIPTS=$(for s in ${ONLY:-ddp fsdp fsdp_hsdp zero3 zero3_tuning tp tp_overlap pp pp_zb pp_vocab cp hybrid ep}; do [ -f "${s}_train.py" ] && echo "$s"; done)
 has() { [[ " $(echo $SCRIPTS) " == *" $1 "* ]]; }
 GPUS=${GPUS:-$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")}
 DEVICE=cpu   # where the NPROC-rank runs go
@@ -98,7 +98,10 @@ run() {  # run NAME NPROC SCRIPT FLAGS...: one training run into $RUNS/NAME, on 
 
 variant() {  # variant SCRIPT [NPROC]: flags that exercise a tier-2 script's knobs beyond its defaults
   # (each tier-2 script's defaults already run its variant)
-  case $1 in zero3_tuning) echo "--persistence_threshold 1024 --reduce_bucket_mb 1 --max_reuse_distance 0" ;; esac
+  case $1 in
+    zero3_tuning) echo "--persistence_threshold 1024 --reduce_bucket_mb 1 --max_reuse_distance 0" ;;
+    fsdp_hsdp) [ $(( ${2:-1} % 2 )) = 0 ] && echo "--replicate_size 2" ;;  # 2 replicas (1: fsdp's run)
+  esac
 }
 
 run_strategies() {  # run_strategies SUFFIX NPROC: every script, custom then pytorch, on $DEVICE
@@ -275,7 +278,7 @@ else
   AC="--block_size 256 --batch_size 8 --dropout 0.1 --max_iters 12 --warmup_iters 2"
   for s in $SCRIPTS; do
     case $s in
-      cp) mode_flags="--cp_mode ulysses" ;; pp) mode_flags="--schedule 1f1b" ;; *) mode_flags=$(variant "$s") ;;
+      cp) mode_flags="--cp_mode ulysses" ;; pp) mode_flags="--schedule 1f1b" ;; *) mode_flags=$(variant "$s" "$NPROC") ;;
     esac
     for ac in none selective full; do
       extra "ac-$s-$ac" "$NPROC" "${s}_train.py" $FLAGS $AC $mode_flags --activation_checkpointing $ac

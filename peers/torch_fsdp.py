@@ -21,6 +21,9 @@ from common.recompute import torch_checkpoint_blocks
 
 
 class TorchFSDP:
+    mesh = None  # fully_shard's default: every rank, one shard each (HSDP: a 2-D mesh)
+    norm_group = None  # the ranks whose shards make up each gradient once: every rank
+
     def __init__(self, config, args, device, state=None):
         self.model = GPT(config, seed=args.seed, device=device)
         self.args, self.device = args, device
@@ -36,9 +39,10 @@ class TorchFSDP:
         # the recompute
         torch_checkpoint_blocks(self.model.transformer.h, args.activation_checkpointing)
         for block in self.model.transformer.h:
-            fully_shard(block, reshard_after_forward=args.reshard_after_forward, mp_policy=mp)
+            fully_shard(block, mesh=self.mesh, reshard_after_forward=args.reshard_after_forward,
+                        mp_policy=mp)
         # the root stays gathered through backward, as fsdp_train.py's does
-        fully_shard(self.model, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(self.model, mesh=self.mesh, reshard_after_forward=False, mp_policy=mp)
 
     def configure_optimizer(self, args, state=None):
         # DTensor parameters keep their global shapes, so the >= 2-dim decay rule applies unchanged
@@ -64,7 +68,8 @@ class TorchFSDP:
 
     def clip_grad_norm_(self, max_norm):
         # the local tensors of FSDP2's DTensor gradients: this rank's dim-0 rows, no padding
-        return clip_grad_norm_([p.grad.to_local() for p in self.model.parameters()], [], max_norm)
+        grads = [p.grad.to_local() for p in self.model.parameters()]
+        return clip_grad_norm_(grads, [], max_norm, group=self.norm_group)
 
     def full_state(self, optimizer):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # complete on rank 0

@@ -10,6 +10,10 @@ as a fresh process would, with no earlier run's graphs, recompile limit or count
 it has an --out_dir, leaves there
 dynamo_rank<RANK>.json, this rank's torch._dynamo.utils.counters after its first training step and at its end:
     {"after_first_step": {"frames": {...}, "stats": {...}, "graph_break": {...}}, "end": {...}}
+comm_rank<RANK>.json, the bytes this rank handed to each collective in its second training step, by process group,
+as plan.py counts them (an all-reduce's tensor, an all-gather's input, a reduce-scatter's input; the AVG all-reduces
+of the logged loss and of evaluations left out, as plan.py leaves them):
+    {"all_reduce@0,2": bytes, "reduce_scatter@0,1": bytes, ...}  (the group's ranks, in order)
 and attend_rank<RANK>.json, how often this rank's attention cores ran (every class's `attend`, the function
 --activation_checkpointing selective recomputes and full recomputes inside its block), outside compiled code:
     {"forward": calls with autograd recording, outside backward, "backward": calls inside backward (a recompute)}
@@ -48,6 +52,10 @@ def step_counted(step):
         step(self, *args, **kwargs)
         if not after_first_step:
             after_first_step.append(counted())
+        comm["steps"] += 1
+        if comm["steps"] == 2:  # from the first step's end to the second's
+            comm["step"] = dict(comm["bytes"])
+        comm["bytes"].clear()
         if memory["meter"] is not None:  # from the first step's end to the second's: a step's peak
             meter, memory["steps"] = memory["meter"], memory["steps"] + 1
             if memory["steps"] == 2:
@@ -57,6 +65,30 @@ def step_counted(step):
 
 
 attends = dict(forward=0, backward=0)
+comm = dict(bytes={}, steps=0, step=None)  # this run's bytes by collective@group; its second step's
+COUNTED_COLLECTIVES = {"all_reduce": (0, 2), "all_gather_single": (1, 2), "all_gather_into_tensor": (1, 2),
+                       "reduce_scatter_single": (1, 3), "reduce_scatter_tensor": (1, 3)}  # (input's, group's) place
+
+
+def count_collectives():
+    """Wraps torch.distributed's collectives that plan.py counts: each call adds its input's bytes to
+    comm["bytes"] under collective@group (the scripts look them up on torch.distributed at each call)."""
+    import torch.distributed as dist
+
+    def counting(name, place, group_place, collective):
+        def call(*args, **kwargs):
+            group = kwargs.get("group", args[group_place] if len(args) > group_place else None)
+            op = kwargs.get("op", args[1] if name == "all_reduce" and len(args) > 1 else None)
+            if op != dist.ReduceOp.AVG:
+                tensor = args[place] if len(args) > place else kwargs["tensor" if place == 0 else "input"]
+                ranks = ",".join(map(str, dist.get_process_group_ranks(group or dist.group.WORLD)))
+                key = f"{name.split('_')[0]}_{name.split('_')[1]}@{ranks}"
+                comm["bytes"][key] = comm["bytes"].get(key, 0) + tensor.numel() * tensor.element_size()
+            return collective(*args, **kwargs)
+        return functools.wraps(collective)(call)
+    for name, places in COUNTED_COLLECTIVES.items():
+        if hasattr(dist, name):
+            setattr(dist, name, counting(name, *places, getattr(dist, name)))
 
 
 def fresh_run_state():
@@ -103,7 +135,8 @@ def count_attends(modules):
 def check_plan(script, argv, out_dir):
     """plan.py's figures for this run, rank by rank, against what the run logged, for every run the
     suite makes through this file: the model state exactly; a custom pipeline's activations at its
-    peak exactly, a custom script's saved activations (one micro-batch's forward) within 5%."""
+    peak exactly; the saved activations (one micro-batch's forward) within 5%, a custom script's and
+    a peer's where plan_report.activations_measured says the plan models them."""
     path = os.path.join(out_dir, "metrics.jsonl")
     summary = [json.loads(line) for line in open(path) if '"summary"' in line] if os.path.exists(path) else []
     if script not in plan.PLANS or not summary or not summary[-1]["tokens_per_sec"]:
@@ -114,8 +147,8 @@ def check_plan(script, argv, out_dir):
     if predicted != logged:
         raise AssertionError(f"plan.py {script} {' '.join(argv)}: model state per rank {predicted}, the run "
                              f"logged {logged}")
-    if "pytorch" in argv:  # the peers' activations are torch's schedules' and policies': not planned
-        return
+    if not plan_report.activations_measured(script, plan_report.script_args(script, argv, len(logged))):
+        return  # torch's schedules' and policies': the plan prints the custom script's, and says so
     peak = summary[-1].get("peak_activation_bytes_per_rank")  # a pipeline's: the schedule's most held
     planned = plan_report.per_rank(ranks, len(logged), "peak_activations")
     if peak and peak != planned:
@@ -151,10 +184,12 @@ if __name__ == "__main__":
     scripts = {script: importlib.import_module(script) for script, _ in runs}
     project = [m for name, m in sys.modules.items() if name.startswith(("common.", "peers."))]
     count_attends([*scripts.values(), *project])
+    count_collectives()
     for script, argv in runs:
         fresh_run_state()
         after_first_step.clear()
         attends.update(forward=0, backward=0)
+        comm.update(bytes={}, steps=0, step=None)
         measured = MEMORY in argv
         argv = [arg for arg in argv if arg != MEMORY]
         sys.argv = [f"{script}.py", *argv]  # as in a run of its own (a checkpoint names the script that wrote it)
@@ -178,6 +213,9 @@ if __name__ == "__main__":
                 json.dump(dict(step_peak=memory["step_peak"]), f)
         with open(os.path.join(out_dir, f"attend_rank{rank}.json"), "w") as f:
             json.dump(attends, f)
+        if comm["step"] is not None:
+            with open(os.path.join(out_dir, f"comm_rank{rank}.json"), "w") as f:
+                json.dump(comm["step"], f)
         if after_first_step:
             with open(os.path.join(out_dir, f"dynamo_rank{rank}.json"), "w") as f:
                 json.dump(dict(after_first_step=after_first_step[0], end=counted()), f)

@@ -118,6 +118,11 @@ STRATEGIES = [
     ("fsdp_train.py", "pytorch", 2, ["--grad_accum_steps", "2", "--reshard_after_forward", "false"]),
     # each block compiled, the unit hooks around it eager; each compiled block run again in backward
     ("fsdp_train.py", "custom", 2, ["--compile", "--activation_checkpointing", "full"]),
+    # fsdp_hsdp_train.py: 2 replicas x 2 shards with accumulation (the replicas' all-reduce on the last micro-step),
+    # custom and FSDP2 on a 2-D mesh; one replica, which is fsdp_train.py bit for bit (test_hsdp_of_one_replica_...)
+    ("fsdp_hsdp_train.py", "custom", 4, ["--replicate_size", "2", "--grad_accum_steps", "2"]),
+    ("fsdp_hsdp_train.py", "pytorch", 4, ["--replicate_size", "2", "--grad_accum_steps", "2"]),
+    ("fsdp_hsdp_train.py", "custom", 2, []),
     ("ddp_train.py", "custom", 2, []),
     ("ddp_train.py", "pytorch", 2, []),
     ("ddp_train.py", "custom", 2, ["--grad_accum_steps", "2"]),
@@ -457,6 +462,38 @@ def test_tp_overlap_equals_plain_tp(nproc, extra, shared_run):
     record(f"tp-overlap-{nproc}r{''.join(extra)} vs plain", {"max_rel_dloss": delta, "max_rel_dnorm": dnorm})
     assert len(overlapped["loss"]) == len(reference["loss"]) == STEPS
     assert delta <= OVERLAP_TOL and dnorm <= NORM_TOL, (overlapped, reference)
+
+
+def test_hsdp_of_one_replica_is_fsdp_bit_for_bit(shared_run):
+    """fsdp_hsdp_train.py at --replicate_size 1 shards over every rank and has no replica to all-reduce with: the
+    same collectives on the same numbers as fsdp_train.py, so the same bits (both runs are parity rows above)."""
+    flags = FLAGS + ["--implementation", "custom"]
+    shared_run.batch(2, launch_group(2))
+    hsdp, fsdp = (run_record(shared_run(script, 2, flags)[0]) for script in ("fsdp_hsdp_train.py", "fsdp_train.py"))
+    assert len(hsdp["loss"]) == STEPS and hsdp == fsdp, (hsdp, fsdp)
+
+
+def test_hsdp_bytes_within_and_between_nodes_are_the_plans(shared_run):
+    """The 2 x 2 custom row's second step, counted by tests/runs.py per collective and process group, on two nodes
+    of 2 ranks: within a node (the shard group) the all-gathers, reduce-scatters and the norm's 4 bytes; between
+    nodes (the replicate group) only the all-reduce of the rank's gradient shard, once a step whatever the
+    micro-steps: its fp32 bytes, 4P/S. Each figure plan.py's."""
+    import plan
+    R = S = 2
+    args = FLAGS + ["--implementation", "custom", "--replicate_size", str(R), "--grad_accum_steps", "2"]
+    shared_run.batch(R * S, launch_group(R * S))
+    out_dir = shared_run("fsdp_hsdp_train.py", R * S, args)[0]
+    ranks = plan.plan("fsdp_hsdp_train.py", R * S, args, nproc_per_node=S)
+    for rank in range(R * S):
+        node = rank // S * S
+        names = {",".join(map(str, range(node, node + S))): "shard", ",".join(map(str, range(rank % S, R * S, S))):
+                 "replicate"}
+        counted = json.load(open(os.path.join(out_dir, f"comm_rank{rank}.json")))
+        counted = {f"{key.split('@')[0]}@{names[key.split('@')[1]]}": nbytes for key, nbytes in counted.items()}
+        planned = next(r for r in ranks if rank in r.ranks)
+        assert counted == planned.comm, (rank, counted, planned.comm)
+        assert planned.between == {k: v * k.endswith("@replicate") for k, v in planned.comm.items()}, planned.between
+        assert counted["all_reduce@replicate"] == planned.params  # the shard, once a step: 4P/S
 
 
 # A run batched with others in one process (tests/runs.py, tests/user_torch.py) equals the same run alone: each launcher

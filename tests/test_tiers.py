@@ -17,6 +17,11 @@ from conftest import REPO
 # tier-2 script -> (its tier-1 base, the most code lines its diff may show: measured + about 15%, its lesson: the
 # definitions (see definitions()) it changes, +adds and -drops; any other difference is drift, a fix not copied)
 TIER2 = {
+    "fsdp_hsdp_train.py": ("fsdp_train.py", 150, """
+        +hsdp_groups +TorchFSDP.__init__ +TorchFSDP.forward_backward +weakref +init_device_mesh
+        FlatParamUnit.__init__ FlatParamUnit.unshard FullyShardedGPT FullyShardedGPT.__init__
+        FullyShardedGPT._post_backward FullyShardedGPT.finish_backward FSDP FSDP.__init__ FSDP.forward_backward
+        FSDP.clip_grad_norm_ FSDP.full_state TorchFSDP add_fsdp_flags check_fsdp_args main"""),  # bound: 129 measured
     "pp_vocab_train.py": ("pp_train.py", 269, """
         +LOSS_CHUNK_ROWS +VocabParallelCrossEntropy +VocabParallelCrossEntropy.forward
         +VocabParallelCrossEntropy.backward +vocab_pass +Pipeline.head_rows Pipeline.__init__
