@@ -356,12 +356,12 @@ PARITY = TINY + ["--learning_rate", "1e-3", "--min_lr", "1e-4", "--warmup_iters"
 CUT = 6  # the step tests/test_reliability.py's resumes start from
 
 
-def cut_args(implementation):
+def cut_args(implementation, script=None):
     """The 2-rank run of CUT steps at the parity config that the resume and cross-strategy tests continue
     from its checkpoint. --lr_decay_iters pins the schedule, so it is a prefix of the PARITY_STEPS run.
     --profile: tests/test_profile.py reads its traces (one launch for both; profiling changes no number)."""
     return PARITY + ["--lr_decay_iters", str(PARITY_STEPS), "--implementation", implementation,
-                     "--max_iters", str(CUT), "--profile"]
+                     "--max_iters", str(CUT), "--profile"] + CUT_FLAGS.get(script, [])
 
 
 # tests/test_tp.py's runs with dropout 0.5 (custom with SP: every rank's forked stream; pytorch without: the shared
@@ -394,15 +394,17 @@ def runs_here(script, implementation, dtype="float32"):
 # Every cut run, each script's hand-written one and PyTorch's where it runs on CPU (cp's needs CUDA): the resume,
 # cross-strategy, checkpoint-state and profile tests all read them, so the first to ask runs them all in one launch.
 CUT_SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py",
-               "pp_zb_train.py", "pp_vocab_train.py", "zero3_tuning_train.py", "tp_overlap_train.py"]
+               "pp_zb_train.py", "pp_vocab_train.py", "zero3_tuning_train.py", "tp_overlap_train.py",
+               "fsdp_hsdp_train.py"]
 CUT_RUNS = [(s, "custom") for s in CUT_SCRIPTS] + [(s, "pytorch") for s in CUT_SCRIPTS[:5]]
+CUT_FLAGS = {"fsdp_hsdp_train.py": ["--replicate_size", "2"]}  # 2 replicas: their all-reduce, replica 0's checkpoint
 
 
 def cut_run_dir(shared_run, script, implementation):
     """The out_dir of the 2-rank cut run (cut_args) of this script and implementation, made by shared_run: every cut
     run this torch runs (CUT_RUNS) in one launch, the first time one is asked for."""
-    shared_run.batch(2, [(s, cut_args(i)) for s, i in CUT_RUNS if runs_here(s, i)])
-    return shared_run(script, 2, cut_args(implementation))[0]
+    shared_run.batch(2, [(s, cut_args(i, s)) for s, i in CUT_RUNS if runs_here(s, i)])
+    return shared_run(script, 2, cut_args(implementation, script))[0]
 
 
 @pytest.fixture(scope="session")

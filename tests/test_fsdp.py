@@ -1,6 +1,6 @@
 """fsdp_train.py: shards, gradients (tied weight, padding, accumulation), global norm, memory ledger,
 gathered buffers freed between units, prefetch order, deferred init, checkpoint round trip, the sharded
-checkpoint (a save that dies midway, mixed or mismatched sets), bad input."""
+checkpoint (a save that dies midway, mixed or mismatched sets), bad input (fsdp_hsdp_train.py's too)."""
 import math
 import os
 import shutil
@@ -515,3 +515,29 @@ def test_a_sharded_checkpoint_that_does_not_fit_gives_one_clear_error(damage, fl
     error = the_one_error("fsdp_train.py", nproc, TINY + ["--max_iters", "4", "--resume_sharded", str(sharded),
                                                           "--out_dir", str(tmp_path / "out")] + flags)
     assert error.startswith("error: --resume_sharded: ") and named in error, error
+
+
+# fsdp_hsdp_train.py's own checks: --replicate_size must divide the world; a sharded checkpoint cut for another
+# shard group size (another --replicate_size at the same world size) stops with one line, not a shape error
+@pytest.mark.parametrize("replicate_size", ["0", "3"])
+def test_hsdp_replicate_size_must_divide_the_world(replicate_size, tmp_path, monkeypatch, capsys):
+    line = refusal("fsdp_hsdp_train.py", 4, TINY + ["--replicate_size", replicate_size, "--out_dir", str(tmp_path)],
+                   monkeypatch, capsys)
+    assert line == f"error: --replicate_size: must be >= 1 and divide the world size 4, got {replicate_size}"
+
+
+def test_hsdp_sharded_resume_of_another_shard_size_is_one_line(monkeypatch, capsys):
+    import fsdp_hsdp_train
+    args = parse_args("fsdp", fsdp_hsdp_train.add_fsdp_flags, [*CONFIG_FLAGS, "--resume_sharded", "somewhere"])
+    saved = lambda path, rank, device: [{"local_shard": torch.zeros(7)}]  # noqa: E731 (a shard of 7 values)
+    monkeypatch.setattr(fsdp_hsdp_train, "load_sharded", saved)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            fsdp_hsdp_train.FSDP(CONFIG, args, torch.device("cpu"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    blocks = sum(p.numel() for p in GPT(CONFIG).transformer.h[0].parameters())
+    assert stop.value.code == 2 and capsys.readouterr().err.strip() == (
+        f"error: --resume_sharded: saved with shards of 7 values, this run's have {blocks}: use its --replicate_size")

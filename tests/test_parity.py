@@ -123,6 +123,7 @@ STRATEGIES = [
     ("fsdp_hsdp_train.py", "custom", 4, ["--replicate_size", "2", "--grad_accum_steps", "2"]),
     ("fsdp_hsdp_train.py", "pytorch", 4, ["--replicate_size", "2", "--grad_accum_steps", "2"]),
     ("fsdp_hsdp_train.py", "custom", 2, []),
+    ("fsdp_hsdp_train.py", "custom", 2, ["--replicate_size", "2"]),  # 2 replicas of a shard: the resume tests' run
     ("ddp_train.py", "custom", 2, []),
     ("ddp_train.py", "pytorch", 2, []),
     ("ddp_train.py", "custom", 2, ["--grad_accum_steps", "2"]),

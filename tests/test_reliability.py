@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (CUT, CUT_SCRIPTS, PARITY, PARITY_STEPS, REPO, cut_run_dir, free_port, launch, paired,
+from conftest import (CUT, CUT_FLAGS, CUT_SCRIPTS, PARITY, PARITY_STEPS, REPO, cut_run_dir, free_port, launch, paired,
                       peer_needs, read_metrics, refusal, runs_here, step_losses, the_one_error, worst)
 from common.checkpoint import set_adamw_state
 from common.model import configure_optimizer
@@ -57,6 +57,7 @@ def by_step(out_dir):
 def uninterrupted(shared_run, script, nproc, implementation="custom"):
     """The losses of test_parity.py's run of this script (the same flags, so the same run)."""
     args = PARITY + ["--max_iters", str(STEPS)] + ([] if nproc is None else ["--implementation", implementation])
+    args += CUT_FLAGS.get(script, []) if nproc is not None else []
     return step_losses(shared_run(script, nproc, args)[0])
 
 
@@ -84,7 +85,7 @@ def resumed(shared_run, tmp_path_factory):
         out = out_dirs[(first, first_impl, second, second_impl)] = tmp_path_factory.mktemp("resume")
         cut_run(shared_run, first, first_impl, out)
         argv += [second, *FLAGS, "--implementation", second_impl, "--max_iters", str(STEPS), "--resume",
-                 "--out_dir", str(out), "---"]
+                 *CUT_FLAGS.get(second, []), "--out_dir", str(out), "---"]
     result = launch("tests/runs.py", 2, argv[:-1], timeout=60 + 30 * len(jobs), torchrun=False)
     assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return out_dirs, result
