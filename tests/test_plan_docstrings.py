@@ -128,6 +128,7 @@ A2 = ["--grad_accum_steps", "2"]  # where a phrase says per step, or per micro-s
 TP2 = ["--tensor_parallel_size", "2"]  # DP 2 x TP 2
 CP4 = ["--context_parallel_size", "4"]  # CP 4, ring (its default)
 EP2 = ["--data_parallel_size", "2"]  # EP 2 x DP 2
+R2 = ["--replicate_size", "2"]  # HSDP: 2 replicas x S = 2 shards
 
 # (where the phrase is, the phrase, ranks, flags, the claim: m -> (the plan's figure, the phrase's formula), and where
 # the phrase says "about", the slack it allows). Figures may be tuples, lists or dicts, compared item by item.
@@ -162,6 +163,15 @@ CLAIMS = [
       for source, phrase in [("fsdp_train.py", "--dtype bfloat16 gathers bf16 (half the bytes), reduce-scatters fp32."),
                              ("docs/fsdp.md", "gathers bf16 parameters (half the all-gather bytes) and reduce-scatters "
                                               "fp32 gradients")]],
+    # fsdp_hsdp (tier 2): fsdp's figures over S = N/R ranks, and the shard's all-reduce across the R replicas
+    ("fsdp_hsdp_train.py", "memory per rank: 16P/S bytes (params, grads, AdamW state sharded S ways)", 4, R2,
+     lambda m: (m.state(0, m.L + 1), 16 * m.P / 2, 16 * (m.L + 1))),
+    ("fsdp_hsdp_train.py", "all-gather 4P (forward), all-gather 4P_blocks (backward), reduce-scatter 4P of gradients, "
+     "each (S-1)/S of them per rank, every micro-step", 4, R2 + A2,
+     lambda m: ((2 * m.comm("all_gather@shard"), m.comm("reduce_scatter@shard")),
+                (m.A * (4 * m.P + 4 * m.numel(".h.")), m.A * 4 * m.P), 4 * m.A * (2 * m.L + 1))),
+    ("fsdp_hsdp_train.py", "one all-reduce of the 4P/S gradient shard per step", 4, R2 + A2,
+     lambda m: (m.comm("all_reduce@replicate"), 4 * m.P / 2, 4 * (m.L + 1))),
 
     # zero3 (--stage 3 unless said): P_own, and the tensors owned, from the script's greedy partition
     ("zero3_train.py", "no rank owns more than P/N + the largest tensor", 4, [],
@@ -353,9 +363,11 @@ def close(planned, stated, slack):
 
 
 def test_every_tier1_script_has_claims():
-    """The table reads each tier-1 script's docstring, and pages that exist."""
+    """The table reads each tier-1 script's docstring (and those of the tier-2 scripts that state their own
+    figures), and pages that exist."""
     scripts = {source for source, *_ in CLAIMS if source.endswith(".py")}
-    assert scripts == {f"{name}_train.py" for name in ("ddp", "fsdp", "zero3", "tp", "cp", "pp", "ep", "hybrid")}
+    tier1 = {f"{name}_train.py" for name in ("ddp", "fsdp", "zero3", "tp", "cp", "pp", "ep", "hybrid")}
+    assert tier1 <= scripts and all(script.endswith("_train.py") for script in scripts)
     assert all((ROOT / source).is_file() for source, *_ in CLAIMS)
 
 
