@@ -54,7 +54,7 @@ def layouts(world, config):
     yield "ddp_train.py", [], 1, world
     for reshard in (True, False):
         yield "fsdp_train.py", flag(("--reshard_after_forward", reshard)), 1, world
-        for replicas in divisors(world)[1:]:  # HSDP: sharded over world / R, replicated R times
+        for replicas in divisors(world)[1:-1]:  # HSDP: R replicas of world/R (R=1: fsdp; R=world: DDP)
             sizes = flag(("--replicate_size", replicas), ("--reshard_after_forward", reshard))
             yield "fsdp_hsdp_train.py", sizes, 1, world
     for stage in (1, 2, 3):
