@@ -4,9 +4,9 @@
 
 The script's flags go through its own parser and checks. Per class of equal ranks: the model state,
 the activations, a step's peak on the device, the bytes handed to each collective by process group,
-a pipeline's bubble and the FLOPs: each strategy's formulas in one function, in the README's order.
-tests/runs.py checks them against the runs the suite makes. plan_report.py prints them, splits the
-bytes by node and times a step on a GPU; plan_search.py (--search) ranks every layout by that time.
+a pipeline's bubble and the FLOPs: each strategy's formulas in one function, in the README's order,
+checked against the suite's runs (tests/runs.py). plan_report.py prints them, splits the bytes by
+node and times a step on a GPU; plan_search.py (--search) ranks every layout by that time.
 """
 import functools
 import itertools
@@ -28,7 +28,7 @@ class Rank:
     ranks: list
     params: int = 0  # bytes
     grads: int = 0
-    optimizer: int = 0  # AdamW: exp_avg, exp_avg_sq, and its 0-dim fp32 `step` a tensor
+    optimizer: int = 0  # AdamW's moments, a 0-dim `step` a tensor (DiLoCo: + the outer SGD's)
     comm: dict = field(default_factory=dict)  # "collective@group" -> bytes handed per step
     bubble: float = None  # a pipeline's idle share of the step
     activations: int = 0  # bytes saved for backward: one micro-batch's forward
@@ -150,12 +150,14 @@ def step_flops(config, args, world_size):
 
 # ---- the strategies, in the README's order -----------------------------------------------------
 
-def ddp(args, world_size, config):
+def ddp(args, world_size, config, H=None):
     """ddp_train.py: every rank holds the whole model and its AdamW state; per step each rank hands
-    its 4P gradient bytes, in buckets, to all-reduces over all ranks (torch DDP: the same)."""
+    its 4P gradient bytes, in buckets, to all-reduces over all ranks (torch DDP: the same).
+    ddp_diloco_train.py: θ_outer and its momentum too (8P), and 4P of Δ every H steps."""
     numels = [math.prod(shape) for _, shape in parameters(config)]
     rank = Rank(list(range(world_size)), **adamw(numels))
-    rank.send("all_reduce", "world", FP32 * sum(numels), world_size)
+    rank.optimizer += 2 * FP32 * sum(numels) * (H is not None)  # DiLoCo's outer SGD
+    rank.send("all_reduce", "world", FP32 * sum(numels) // (H or 1), world_size)
     return [saving(rank, config, args, micro_rows(args, world_size))]
 
 
@@ -185,10 +187,9 @@ def fsdp_units(config):
 
 
 def sharded(args, world_size, config, reshard, R=1, group="world"):
-    """fsdp_train.py, and the FSDP2 peers of it and of zero3 --stage 3: per unit a rank holds its
-    local_shard of ceil(numel/N) values (FSDP2: each tensor's dim-0 rows). Per micro-step each unit
-    is gathered before forward (a block again for backward, resharded), its gradient scattered.
-    fsdp_hsdp_train.py: N = world/R ranks a shard group, and the shards all-reduced over R once."""
+    """fsdp_train.py, fsdp_hsdp_train.py (over N = world/R, the shards all-reduced over R once),
+    the FSDP2 peers of fsdp and zero3 --stage 3: per unit a rank holds ceil(numel/N) values (FSDP2:
+    each tensor's dim-0 rows), gathered before forward (a block again for backward), scattered."""
     N, A, custom = world_size // R, args.grad_accum_steps, args.implementation == "custom"
     units, gather = fsdp_units(config), compute_bytes(args)  # unshard: in the compute dtype
     ranks = []
@@ -201,8 +202,7 @@ def sharded(args, world_size, config, reshard, R=1, group="world"):
             rank = Rank(list(range(r, world_size, N)), **adamw(o for u in pieces for o, _ in u))
             padded = [sum(pad for _, pad in unit) for unit in pieces]
         if N > 1:
-            blocks = sum(padded[:-1])
-            rank.send("all_gather", group, A * gather * (sum(padded) + reshard * blocks))
+            rank.send("all_gather", group, A * gather * (sum(padded) + reshard * sum(padded[:-1])))
             rank.send("reduce_scatter", group, A * FP32 * N * sum(padded))
             rank.send("all_reduce", group, FP32)  # clip_grad_norm_: the shards' squares
         rank.send("all_reduce", "replicate", FP32 * sum(padded), R)  # the step's shard, summed
@@ -340,15 +340,12 @@ def context_parallel(args, world_size, config):
     b = micro_rows(args, world_size // cp)
     kv = 2 * b * args.block_size * config.n_embd // cp
     act, again = compute_bytes(args), args.activation_checkpointing != "none"
-    if cp > 1 and args.cp_mode == "ring":  # RingAttention: cp - 1 sends of [K; V] in forward and
-        # in backward, and cp of each block's dK,dV accumulator
+    if cp > 1 and args.cp_mode == "ring":  # RingAttention: cp-1 [K; V] each way, cp dK,dV
         rank.send("send", "cp", A * L * kv * ((cp - 1) * act * (2 + again) + cp * FP32))
-    elif cp > 1 and args.cp_mode == "allgather":  # AllGatherAttention: gathered in forward and
-        # again in backward; every block's dK,dV reduce-scattered
+    elif cp > 1 and args.cp_mode == "allgather":  # gathered both ways; dK,dV reduce-scattered
         rank.send("all_gather", "cp", A * L * kv * act * (2 + again))
         rank.send("reduce_scatter", "cp", A * L * cp * kv * FP32)
-    elif cp > 1:  # ulysses_attention: q,k,v (3kv/2) to head shards, the output (kv/2) back, and
-        # the same in backward; selective's recompute stops before the output's (it saves nothing)
+    elif cp > 1:  # Ulysses: q,k,v (3kv/2) out, y (kv/2) back, each way; selective: y not again
         selective = args.activation_checkpointing == "selective"
         rank.send("all_to_all", "cp", A * L * kv // 2 * act * (8 + again * (4 - selective)))
     rank.send("all_reduce", "world", FP32 * sum(numels), world_size)  # GradientBuckets: D x cp
@@ -572,13 +569,12 @@ def hybrid(args, world_size, config):
     return ranks
 
 
-PLANS = {"ddp_train.py": ddp,
+PLANS = {"ddp_train.py": ddp, "ddp_diloco_train.py": lambda a, n, c: ddp(a, n, c, a.inner_steps),
          "fsdp_train.py": lambda args, n, c: sharded(args, n, c, args.reshard_after_forward),
-         "fsdp_hsdp_train.py": lambda args, n, c: sharded(args, n, c, args.reshard_after_forward,
-                                                          args.replicate_size, "shard"),
-         "zero3_train.py": zero3,
-         "zero3_tuning_train.py": lambda args, n, c: zero3(args, n, c, args.persistence_threshold,
-                                                           args.max_reuse_distance),
+         "fsdp_hsdp_train.py": lambda a, n, c: sharded(a, n, c, a.reshard_after_forward,
+                                                      a.replicate_size, "shard"),
+         "zero3_train.py": zero3, "zero3_tuning_train.py": lambda a, n, c: zero3(
+             a, n, c, a.persistence_threshold, a.max_reuse_distance),
          "tp_train.py": tensor_parallel,  # and tp_overlap_train.py's, its f and g in pieces:
          "tp_overlap_train.py": lambda args, n, c: tensor_parallel(args, n, c, args.tp_overlap),
          "cp_train.py": context_parallel, "pp_train.py": pp, "pp_vocab_train.py": pp_vocab,

@@ -102,8 +102,9 @@ GPUS = {"a100": (312e12, 80 * 2**30, 300e9, 25e9), "h100": (989e12, 80 * 2**30, 
         "h200": (989e12, 143771 * 2**20, 450e9, 50e9)}
 
 # What each script runs behind its compute (its docstring): DDP's buckets during backward, FSDP's
-# prefetched gathers and its reduce-scatters (HSDP: and the replicas' all-reduce), ZeRO's async reduces (stage 3: its prefetched
-# broadcasts), the ring's K, V hops under the attention, tp_overlap's pieces under the matmuls.
+# prefetched gathers and its reduce-scatters (HSDP: and the replicas' all-reduce), ZeRO's async
+# reduces (stage 3: its prefetched broadcasts), the ring's K, V hops under the attention,
+# tp_overlap's pieces under the matmuls. DiLoCo's outer all-reduce blocks: none hidden.
 HIDDEN = {"ddp": ["all_reduce@world"], "fsdp": ["all_gather@world", "reduce_scatter@world",
                                                 "all_gather@shard", "reduce_scatter@shard",
                                                 "all_reduce@replicate"],  # HSDP's too
@@ -121,7 +122,7 @@ def hidden_behind_compute(script, args):
     """HIDDEN's collectives of the script, with ZeRO-3's prefetched broadcasts (--stage 3) and
     tp_overlap's f and g (--tp_overlap)."""
     name = script.split("_")[0]
-    hidden = list(HIDDEN.get(name, []))
+    hidden = list(HIDDEN.get(name, [])) if script != "ddp_diloco_train.py" else []
     if name == "zero3" and args.stage == 3:
         hidden.append("broadcast@world")
     if getattr(args, "tp_overlap", False):

@@ -49,12 +49,12 @@ def layouts(world, config):
     """(script, its layout's flags, its pipeline's stages, the replicas that split the batch) for
     every script and size on `world` ranks; hybrid's flags only where each size divides what it
     splits, else None (its checks would refuse them: counted as not dividing, and not parsed, so
-    that 100,000 ranks stay quick)."""
+    that 100,000 ranks stay quick). Not DiLoCo: another optimizer, so not the same loss a step."""
     flag = lambda *pairs: [str(x).lower() for pair in pairs for x in pair]  # noqa: E731
     yield "ddp_train.py", [], 1, world
     for reshard in (True, False):
         yield "fsdp_train.py", flag(("--reshard_after_forward", reshard)), 1, world
-        for replicas in divisors(world)[1:-1]:  # HSDP: R replicas of world/R (R=1: fsdp; R=world: DDP)
+        for replicas in divisors(world)[1:-1]:  # HSDP (R = 1: fsdp_train.py; R = world: DDP)
             sizes = flag(("--replicate_size", replicas), ("--reshard_after_forward", reshard))
             yield "fsdp_hsdp_train.py", sizes, 1, world
     for stage in (1, 2, 3):

@@ -42,7 +42,7 @@ if [ -z "${NANODIST_OFFLINE_DIR:-}" ] && [ -f ../shared/data/tinyshakespeare/inp
   export NANODIST_OFFLINE_DIR=$(cd ../shared && pwd)
 fi
 
-SCRIPTS=$(for s in ${ONLY:-ddp fsdp fsdp_hsdp zero3 zero3_tuning tp tp_overlap pp pp_zb pp_vocab cp hybrid ep}; do [ -f "${s}_train.py" ] && echo "$s"; done)
+SCRIPTS=$(for s in ${ONLY:-ddp ddp_diloco fsdp fsdp_hsdp zero3 zero3_tuning tp tp_overlap pp pp_zb pp_vocab cp hybrid ep}; do [ -f "${s}_train.py" ] && echo "$s"; done)
 has() { [[ " $(echo $SCRIPTS) " == *" $1 "* ]]; }
 GPUS=${GPUS:-$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")}
 DEVICE=cpu   # where the NPROC-rank runs go
@@ -107,12 +107,15 @@ variant() {  # variant SCRIPT [NPROC]: flags that exercise a tier-2 script's kno
 run_strategies() {  # run_strategies SUFFIX NPROC: every script, custom then pytorch, on $DEVICE
   for s in $SCRIPTS; do
     [ "$s" = ep ] && continue  # a mixture of experts: against its own one-process reference (below)
+    # DiLoCo's replicas train apart: no one-process run to equal (the smoke runs its one replica below)
+    [ "$s" = ddp_diloco ] && [ "$MODE" = smoke ] && continue
     for impl in custom pytorch; do
       # torch's context_parallel: CUDA SDPA kernels only
       [ "$s-$impl" = cp-pytorch ] && [ "$DEVICE" = cpu ] && continue
       [ "$s-$impl" = pp_vocab-pytorch ] && continue  # --vocab_parallel: custom only
       [ "$s-$impl" = zero3_tuning-pytorch ] && continue  # DeepSpeed's knobs: custom only (FSDP2 is zero3's)
       [ "$s-$impl" = tp_overlap-pytorch ] && continue  # --tp_overlap: custom only (torch's async TP: CUDA)
+      [ "$s-$impl" = ddp_diloco-pytorch ] && continue  # torch has no DiLoCo
       run "$s-$impl$1" "$2" "${s}_train.py" $FLAGS $(variant "$s" "$2") --implementation $impl
     done
   done
@@ -122,6 +125,9 @@ echo "nanodist $MODE: $NPROC ranks on $DEVICE, strategies: $(echo $SCRIPTS)"
 if [ "$MODE" = smoke ]; then
   run reference 1 ddp_train.py $FLAGS
   run_strategies "" "$NPROC"
+  if has ddp_diloco; then  # one replica, outer lr 1 and no momentum: plain AdamW, the reference
+    run ddp_diloco@1replica-custom 1 ddp_diloco_train.py $FLAGS --outer_lr 1 --outer_momentum 0
+  fi
   if has hybrid; then  # all four axes at once: dp 2 x tp 2 x pp 2 x cp 2 (16 CPU ranks unless 16 GPUs)
     DEVICE_WAS=$DEVICE
     [ "$GPUS" -ge 16 ] && DEVICE=cuda || DEVICE=cpu

@@ -122,6 +122,9 @@ COMPARE = [
     (("zero3-stage1", "custom"), ("ddp", "custom")),  # only the optimizer is split
     (("zero3-stage2", "custom"), ("zero3-stage1", "custom")),
     (("zero3", "custom"), ("zero3-stage2", "custom")),
+    # HSDP (2 replicas) against FSDP; DiLoCo (4P every H steps) against DDP (4P a step)
+    (("fsdp_hsdp", "custom"), ("fsdp", "custom")),
+    (("ddp_diloco", "custom"), ("ddp", "custom")),
     # the head split over the pipeline ranks
     (("pp-1f1b-m8-vocab", "custom"), ("pp-1f1b-m8", "custom")),
     # zero bubble against 1F1B, on the default model and on balanced stages

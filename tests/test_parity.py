@@ -243,7 +243,8 @@ def references(shared_run):
 
             def launch_references():
                 try:
-                    shared_run.batch(None, reference_runs())
+                    from test_diloco import one_replica_run  # DiLoCo's equal to them, in the same launch
+                    shared_run.batch(None, reference_runs() + [one_replica_run()])
                 except BaseException as error:  # raised below, in the test
                     failed.append(error)
             launch = threading.Thread(target=launch_references)
@@ -427,6 +428,8 @@ def launch_group(nproc, as_user=False):
         group += [("tp_train.py", tp_dropout_args(*run) + ["--max_iters", str(TP_DROPOUT_STEPS)])
                   for run in TP_DROPOUT] if nproc == 2 else []  # tests/test_tp.py's, compared with runs alone
         group += [(script, memory_args(flags)) for script, flags, _ in MEMORY_RUNS] if nproc == 2 else []
+        from test_diloco import diloco_runs  # tests/test_diloco.py's, compared with its simulation there
+        group += [("ddp_diloco_train.py", args) for args in diloco_runs(nproc)]
     return group
 
 

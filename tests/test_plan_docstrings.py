@@ -163,6 +163,13 @@ CLAIMS = [
       for source, phrase in [("fsdp_train.py", "--dtype bfloat16 gathers bf16 (half the bytes), reduce-scatters fp32."),
                              ("docs/fsdp.md", "gathers bf16 parameters (half the all-gather bytes) and reduce-scatters "
                                               "fp32 gradients")]],
+    # ddp_diloco (tier 2): DDP's state, θ_outer and its momentum; the pseudo-gradient's all-reduce every H steps
+    ("ddp_diloco_train.py", "memory per rank: 24P bytes: fp32 params 4P + grads 4P + AdamW state 8P, as DDP's, + "
+     "θ_outer 4P + its momentum 4P", 4, [], lambda m: (m.state(0, len(m.sizes)), 24 * m.P)),
+    ("ddp_diloco_train.py", "one all-reduce of the 4P pseudo-gradient bytes every H steps, H times fewer bytes than "
+     "DDP's gradients", 4, ["--inner_steps", "5"],
+     lambda m: ((m.comm("all_reduce@world"), layout("ddp_train.py", m.N, ()).comm("all_reduce@world") / 5),
+                (4 * m.P / 5, 4 * m.P / 5), 1)),
     # fsdp_hsdp (tier 2): fsdp's figures over S = N/R ranks, and the shard's all-reduce across the R replicas
     ("fsdp_hsdp_train.py", "memory per rank: 16P/S bytes (params, grads, AdamW state sharded S ways)", 4, R2,
      lambda m: (m.state(0, m.L + 1), 16 * m.P / 2, 16 * (m.L + 1))),

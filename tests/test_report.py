@@ -183,6 +183,7 @@ def plan(gpus, *args, nproc="2"):
 
 HYBRID_4D = "runs/smoke/hybrid@dp2tp2pp2cp2-custom"  # hybrid_train.py on 16 ranks: the CPU unless 16 GPUs
 MOE_REFERENCE = "runs/smoke-moe/reference"  # the mixture of experts' own one-process reference
+DILOCO_ONE = "runs/smoke/ddp_diloco@1replica-custom"  # DiLoCo's one replica: plain AdamW, against the reference
 
 
 def test_run_all_plans_cpu_without_a_gpu():
@@ -190,7 +191,8 @@ def test_run_all_plans_cpu_without_a_gpu():
     assert result.returncode == 0 and "GPU(s) for" not in result.stdout
     assert {device for _, _, device, _ in rows} == {"cpu"}
     assert ("runs/smoke/reference", "1") == rows[0][:2]
-    assert all(ranks == "2" for name, ranks, _, _ in rows[1:] if name not in (HYBRID_4D, MOE_REFERENCE))
+    assert all(ranks == "2" for name, ranks, _, _ in rows[1:] if name not in (HYBRID_4D, MOE_REFERENCE, DILOCO_ONE))
+    assert [ranks for name, ranks, _, _ in rows if name == DILOCO_ONE] == ["1"]
     assert [ranks for name, ranks, _, _ in rows if name == HYBRID_4D] == ["16"]
     assert [ranks for name, ranks, _, _ in rows if name == MOE_REFERENCE] == ["1"]
     assert "runs/smoke/cp-pytorch" not in [r[0] for r in rows]  # torch's context_parallel: CUDA only
@@ -204,9 +206,10 @@ def test_run_all_on_one_gpu_runs_the_ranks_on_cpu_and_each_script_at_world_size_
     cpu = [r for r in rows if r[0].startswith("runs/smoke/")]
     gpu = [r for r in rows if r[0].startswith("runs/smoke-gpu/")]
     assert {r[2] for r in cpu} == {"cpu"} and {r[2] for r in gpu} == {"cuda"}
-    assert all(ranks == "2" for name, ranks, _, _ in cpu if not name.endswith("reference") and name != HYBRID_4D)
+    assert all(ranks == "2" for name, ranks, _, _ in cpu if not name.endswith("reference")
+               and name not in (HYBRID_4D, DILOCO_ONE))
     assert all(ranks == "1" and "--dtype bfloat16" in command for _, ranks, _, command in gpu)
-    scripts = ["ddp", "fsdp", "zero3", "zero3_tuning", "tp", "tp_overlap", "pp", "pp_zb", "pp_vocab", "cp", "hybrid"]
+    scripts = ["ddp", "fsdp", "fsdp_hsdp", "zero3", "zero3_tuning", "tp", "tp_overlap", "pp", "pp_zb", "pp_vocab", "cp", "hybrid"]
     custom_only = {"zero3_tuning", "tp_overlap", "pp_vocab"}  # tier-2 variants that PyTorch's peer refuses
     assert [r[0] for r in gpu] == ["runs/smoke-gpu/reference"] + [f"runs/smoke-gpu/{s}-{i}" for s in scripts
                                                                   for i in ("custom", "pytorch")

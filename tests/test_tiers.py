@@ -17,6 +17,14 @@ from conftest import REPO
 # tier-2 script -> (its tier-1 base, the most code lines its diff may show: measured + about 15%, its lesson: the
 # definitions (see definitions()) it changes, +adds and -drops; any other difference is drift, a fix not copied)
 TIER2 = {
+    "ddp_diloco_train.py": ("ddp_train.py", 265, """
+        -GradientBuckets -GradientBuckets.__init__ -GradientBuckets._make_buckets -GradientBuckets._grad_ready
+        -GradientBuckets._all_reduce -GradientBuckets.finish_backward -GradientBuckets._rebuild -DDP -DDP.__init__
+        -DDP.configure_optimizer -DDP.to_device -DDP.forward_backward -DDP.eval_loss -DDP.clip_grad_norm_
+        -DDP.full_state -DDP.describe +DiLoCo +DiLoCo.__init__ +DiLoCo.configure_optimizer +DiLoCo.to_device
+        +DiLoCo.forward_backward +DiLoCo.eval_loss +DiLoCo.clip_grad_norm_ +DiLoCo.outer_step +DiLoCo.full_state
+        +DiLoCo.describe -TorchDDP -peers.torch_ddp -weakref +held_bytes add_ddp_flags check_ddp_args
+        main"""),  # bound: 231 measured
     "fsdp_hsdp_train.py": ("fsdp_train.py", 150, """
         +hsdp_groups +TorchFSDP.__init__ +TorchFSDP.forward_backward +weakref +init_device_mesh
         FlatParamUnit.__init__ FlatParamUnit.unshard FullyShardedGPT FullyShardedGPT.__init__

@@ -1,0 +1,317 @@
+"""ddp_diloco_train.py (DiLoCo): one replica with outer lr 1 and momentum 0 is plain training; at 2 and 4 ranks the run
+equals a one-process simulation written here (each replica's rows of the same global batch in turn, each with its
+own AdamW, the outer Nesterov step by hand): losses, grad norms, evaluations of θ_outer mid-window, and the final
+checkpoint's θ_outer, momentum and every replica's AdamW state; H times fewer bytes a step than ddp's, counted;
+24 bytes a parameter of model state; resume bit for bit, and ddp_train.py resuming θ_outer; bad flags.
+The 2- and 4-rank runs ride tests/test_parity.py's launches (launch_group: diloco_runs)."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import (PARITY, PARITY_EVAL_ITERS, PARITY_STEPS, TINY, finite, paired, read_metrics, refusal,
+                      run_record, spawn, worst)
+from common.data import get_batch
+from common.metrics import held_bytes
+from common.model import GPT, GPTConfig
+
+SCRIPT = "ddp_diloco_train.py"
+STEPS = PARITY_STEPS
+FLAGS = PARITY + ["--max_iters", str(STEPS)]  # test_parity.py's FLAGS: its one-process reference's
+TOL, NORM_TOL = 1e-5, 1e-6  # the parity tolerances (tests/test_parity.py)
+# The final θ_outer, the outer momentum and each replica's AdamW moments against the simulation's, relative to
+# each tensor's largest value: the same arithmetic, the grad norm summed in another order. AdamW turns a gradient
+# that is only rounding (the attention's key bias: softmax ignores a shift of every key) into steps of +-lr whatever
+# its bits, so a few such elements differ by up to 2.3e-4 (2 ranks) and 2.7e-4 (4 ranks) of their tensor's largest;
+# the moments by at most 6e-7. Another replica's AdamW state in a replica's place differs by 1.2 or more.
+STATE_TOL = 1e-3
+
+# The runs at 2 and 4 ranks, in test_parity.py's launches: at 2, H = 4 over 15 steps (a last window of 3) and an
+# evaluation every 6 steps (step 6 is mid-window: θ_outer, not a replica's weights); at 4, H = 3 with accumulation
+# and another momentum.
+DILOCO_RUNS = {2: [dict(inner_steps=4, eval_interval=6)],
+               4: [dict(inner_steps=3, grad_accum_steps=2, outer_momentum=0.5)]}
+
+
+def diloco_args(settings):
+    return FLAGS + [x for name, value in settings.items() for x in (f"--{name}", str(value))]
+
+
+def diloco_runs(nproc):
+    """The args of each DiLoCo run at nproc ranks (tests/test_parity.py's launch_group adds them)."""
+    return [diloco_args(settings) for settings in DILOCO_RUNS.get(nproc, [])]
+
+
+def config():
+    return GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=64, dropout=0.0, bias=True)
+
+
+def adamw(model, lr=1e-3):
+    """AdamW as common.model.configure_optimizer builds it: decay on tensors of 2 or more dims, fused."""
+    params = list(model.parameters())
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+def simulate(nproc, inner_steps, outer_lr=0.7, outer_momentum=0.9, grad_accum_steps=1, eval_interval=STEPS,
+             steps=STEPS, seed=1337, batch=8, block=32, lr_max=1e-3, lr_min=1e-4, warmup=5):
+    """DiLoCo in one process, independent of the script: nproc replicas, each trained in turn on its rows of the
+    global batch with its own AdamW, clipping its own gradient by its own norm; after every inner_steps steps and
+    after the last, the outer Nesterov step on the replicas' mean pseudo-gradient, and every replica restarts from
+    θ_outer. Returns run_record's dict (loss, norm: the replicas' means; evaluations of θ_outer), θ_outer and the
+    momentum by name, and each replica's AdamW state by name."""
+    replicas = [GPT(config(), seed=seed) for _ in range(nproc)]
+    optimizers = [adamw(model) for model in replicas]
+    names = [name for name, _ in replicas[0].named_parameters()]
+    outer = [p.detach().clone() for p in replicas[0].parameters()]
+    momentum = [torch.zeros_like(p) for p in outer]
+    judge = GPT(config(), seed=seed)  # holds θ_outer to evaluate it
+    record = dict(loss=[], grad_norm=[], eval=[])
+
+    @torch.no_grad()
+    def evaluate(step):
+        for p, o in zip(judge.parameters(), outer):
+            p.copy_(o)
+        judge.eval()
+        means = [sum(judge(*get_batch(split, i, batch, block, seed + 1))[1].item() for i in range(PARITY_EVAL_ITERS))
+                 / PARITY_EVAL_ITERS for split in ("train", "val")]
+        record["eval"].append((step, *means))
+
+    accum = grad_accum_steps
+    rows = batch // nproc
+    micro = rows // accum
+    for step in range(steps):
+        if step % eval_interval == 0:
+            evaluate(step)
+        if step < warmup:
+            lr = lr_max * (step + 1) / (warmup + 1)
+        else:
+            lr = lr_min + 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup))) * (lr_max - lr_min)
+        x, y = get_batch("train", step, batch, block, seed)
+        losses, norms = [], []
+        for r, (model, optimizer) in enumerate(zip(replicas, optimizers)):
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = 0.0
+            for j in range(accum):
+                part = slice(r * rows + j * micro, r * rows + (j + 1) * micro)
+                _, micro_loss = model(x[part], y[part])
+                (micro_loss / accum).backward()
+                loss += micro_loss.item() / accum
+            params = list(model.parameters())
+            norm = torch.stack([(p.grad * p.grad).sum() for p in params]).sum().sqrt()
+            for p in params:
+                p.grad.mul_((1.0 / (norm + 1e-6)).clamp(max=1.0))
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss)
+            norms.append(norm.item())
+        record["loss"].append(sum(losses) / nproc)
+        record["grad_norm"].append(sum(norms) / nproc)
+        if (step + 1) % inner_steps == 0 or step + 1 == steps:
+            with torch.no_grad():
+                local = [list(model.parameters()) for model in replicas]
+                for i, (o, m) in enumerate(zip(outer, momentum)):
+                    delta = sum(o - params[i] for params in local) / nproc
+                    m.mul_(outer_momentum).add_(delta)
+                    o.sub_(outer_lr * (delta + outer_momentum * m))
+                for params in local:
+                    for p, o in zip(params, outer):
+                        p.copy_(o)
+    evaluate(steps)
+    inner = [{name: optimizer.state[p] for name, p in zip(names, model.parameters())}
+             for model, optimizer in zip(replicas, optimizers)]
+    return record, dict(zip(names, outer)), dict(zip(names, momentum)), inner
+
+
+def differences(run, ref):
+    """The largest |dloss| (steps and evaluations, which must be at the same steps) and relative dnorm."""
+    assert [e[0] for e in run["eval"]] == [e[0] for e in ref["eval"]], (run["eval"], ref["eval"])
+    losses = paired(run["loss"], ref["loss"], "loss")
+    losses += paired([v for e in run["eval"] for v in e[1:]], [v for e in ref["eval"] for v in e[1:]], "evaluations")
+    norms = paired(run["grad_norm"], ref["grad_norm"], "grad_norm")
+    return worst(abs(a - b) for a, b in losses), worst(abs(a - b) / abs(b) for a, b in norms)
+
+
+def state_bytes(args):
+    """24 bytes a parameter (fp32 params, grads, AdamW's two moments, θ_outer, its momentum) and AdamW's fp32 step,
+    4 bytes a tensor, as ddp's 16 + 4 a tensor (tests/test_ddp.py)."""
+    params = list(GPT(config(), device="meta").parameters())
+    return 24 * sum(p.numel() for p in params) + 4 * len(params)
+
+
+def one_replica_run():
+    """(script, args) of the one-replica run below: it rides tests/test_parity.py's one-process launch."""
+    return SCRIPT, FLAGS + ["--inner_steps", "4", "--outer_lr", "1", "--outer_momentum", "0"]
+
+
+def test_one_replica_with_outer_lr_1_and_no_momentum_is_plain_training(shared_run):
+    """θ_outer − 1·(θ_outer − θ_local) is θ_local up to rounding: one replica at outer lr 1 and momentum 0 is one
+    process's AdamW training (ddp_train.py's, test_parity.py's reference), H = 4 over 15 steps (a last window of
+    3): every loss, grad norm and evaluation. An outer step that summed θ_outer + Δ, stepped the wrong way or reset
+    AdamW's state fails here; and the model state is 24 bytes a parameter."""
+    _, args = one_replica_run()
+    shared_run.batch(None, [("ddp_train.py", FLAGS), (SCRIPT, args)])
+    reference = run_record(shared_run("ddp_train.py", None, FLAGS)[0])
+    out_dir, _ = shared_run(SCRIPT, None, args)
+    run = run_record(out_dir)
+    assert len(run["loss"]) == STEPS and [e[0] for e in run["eval"]] == [0, STEPS]
+    dloss, dnorm = differences(run, reference)
+    print(f"one replica vs one process: max |dloss| {dloss:.2e}, max rel dnorm {dnorm:.2e}")
+    assert dloss <= TOL and dnorm <= NORM_TOL
+    assert read_metrics(out_dir)[-1]["model_state_bytes_per_rank"] == [state_bytes(args)]
+
+
+@pytest.mark.parametrize("nproc", sorted(DILOCO_RUNS))
+def test_replicas_equal_a_one_process_simulation(nproc, shared_run):
+    """2 and 4 ranks against simulate(): each step's loss and grad norm (the replicas' means), the evaluations of
+    θ_outer (at 2 ranks also mid-window, at step 6), and the checkpoint at the end: θ_outer as the model, the outer
+    momentum and each replica's own AdamW state; the model state is 24 bytes a parameter on every rank."""
+    from test_parity import launch_group
+    shared_run.batch(nproc, launch_group(nproc))
+    for settings in DILOCO_RUNS[nproc]:
+        args = diloco_args(settings)
+        out_dir, _ = shared_run(SCRIPT, nproc, args)
+        run = run_record(out_dir)
+        ref, outer, momentum, inner = simulate(nproc, **settings)
+        every = settings.get("eval_interval", STEPS)
+        assert [e[0] for e in run["eval"]] == sorted({*range(0, STEPS, every), STEPS}), run["eval"]
+        dloss, dnorm = differences(run, ref)
+        ckpt = torch.load(out_dir / "ckpt.pt", weights_only=True)
+        pairs = [(ckpt["model"][name], outer[name]) for name in outer]
+        pairs += [(ckpt["optimizer"]["diloco"]["outer_momentum"][name], momentum[name]) for name in momentum]
+        assert len(ckpt["optimizer"]["diloco"]["inner"]) == nproc
+        pairs += [(mine[name][key], theirs[name][key]) for mine, theirs in zip(ckpt["optimizer"]["diloco"]["inner"],
+                                                                               inner)
+                  for name in theirs for key in ("exp_avg", "exp_avg_sq")]
+        dstate = worst(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs)
+        print(f"DiLoCo at {nproc} ranks {' '.join(args[len(FLAGS):])} vs the simulation: max |dloss| {dloss:.2e}, "
+              f"max rel dnorm {dnorm:.2e}, max rel dstate {dstate:.2e}")
+        assert dloss <= TOL and dnorm <= NORM_TOL and dstate <= STATE_TOL
+        assert ckpt["step"] == STEPS and all(ckpt["model"][n].shape == outer[n].shape for n in outer)
+        assert read_metrics(out_dir)[-1]["model_state_bytes_per_rank"] == [state_bytes(args)] * nproc
+
+
+# ---- in one spawn of 2 ranks: the bytes each step sends against ddp's, resume, ddp_train.py resuming θ_outer ------
+
+H = 4
+COUNTED = TINY + ["--max_iters", str(2 * H), "--seed", "1337"]  # two windows; no evaluation
+CUT = 8  # a multiple of H: a checkpoint is written at an outer step
+
+
+def _spawned(rank, world_size, out):
+    """Every run of the module fixture below, each its script's main() in turn, in these ranks (as tests/runs.py):
+    ddp_train.py and DiLoCo at H = 4 with each floating-point all-reduce's bytes counted; the 2-rank DiLoCo run
+    of test_parity.py's launch cut at step CUT; ddp_train.py resuming its checkpoint and evaluating it before its
+    first step; and the cut run resumed to STEPS in its own out_dir."""
+    import ddp_diloco_train
+    import ddp_train
+    from runs import fresh_run_state
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")  # as a launch's ranks have
+    sent, all_reduce = [], dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        if tensor.is_floating_point():  # not setup_data's integer polls, which depend on timing
+            sent.append(held_bytes([tensor]))
+        return all_reduce(tensor, *args, **kwargs)
+
+    counted = {}
+    dist.all_reduce = counting
+    try:
+        for name, main, extra in (("ddp", ddp_train.main, []),
+                                  ("diloco", ddp_diloco_train.main, ["--inner_steps", str(H)])):
+            fresh_run_state()
+            sent.clear()
+            main(COUNTED + extra + ["--out_dir", os.path.join(out, name)])
+            counted[name] = list(sent)
+    finally:
+        dist.all_reduce = all_reduce
+    [args] = diloco_runs(2)
+    runs = [(ddp_diloco_train.main, args + ["--max_iters", str(CUT), "--lr_decay_iters", str(STEPS)], "resumed"),
+            (ddp_train.main, FLAGS + ["--max_iters", str(CUT + 1), "--lr_decay_iters", str(STEPS),
+                                      "--eval_interval", str(CUT), "--resume_from",
+                                      os.path.join(out, "resumed", "ckpt.pt")], "ddp_resumed"),
+            (ddp_diloco_train.main, args + ["--lr_decay_iters", str(STEPS), "--resume"], "resumed")]
+    for main, flags, out_dir in runs:
+        fresh_run_state()
+        sys.argv = [os.path.basename(main.__globals__["__file__"]), *flags]  # as tests/runs.py: the ckpt's script
+        main(flags + ["--out_dir", os.path.join(out, out_dir)])
+        if out_dir == "resumed" and "--resume" not in flags:  # the cut run's final evaluation, of θ_outer at CUT
+            counted["cut_eval"] = [r for r in read_metrics(os.path.join(out, out_dir)) if "val_loss" in r][-1]
+    return counted
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    out = tmp_path_factory.mktemp("diloco")
+    return spawn(_spawned, 2, str(out)), out
+
+
+def test_each_step_sends_h_times_fewer_parameter_bytes_than_ddp(spawned):
+    """Counted on every rank over two windows of H = 4 steps: ddp all-reduces its 4P gradient bytes every step (one
+    bucket here) and a 4-byte loss; DiLoCo all-reduces the 4P pseudo-gradient bytes once a window, H times fewer a
+    step, and every step 8 bytes (the loss and the grad norm to log: not parameter-sized, outside the H x). A
+    DiLoCo that all-reduced every step, or sent its loss and norm apart, fails here."""
+    ranks, _ = spawned
+    P = sum(p.numel() for p in GPT(config(), device="meta").parameters())
+    steps = 2 * H
+    for counted in ranks:
+        ddp, diloco = counted["ddp"], counted["diloco"]
+        assert sorted(ddp) == sorted([4 * P] * steps + [4] * steps), ddp
+        assert sorted(diloco) == sorted([4 * P] * (steps // H) + [8] * steps), diloco
+        big = {name: sum(b for b in counted[name] if b > 8) for name in ("ddp", "diloco")}
+        assert big["ddp"] == H * big["diloco"] == 4 * P * steps
+        print(f"parameter-sized bytes a step: ddp {big['ddp'] // steps:,}, DiLoCo {big['diloco'] // steps:,} "
+              f"(H = {H}); plus 4 and 8 bytes a step of logged scalars")
+
+
+def test_resume_is_bit_identical_and_ddp_resumes_theta_outer(spawned, shared_run):
+    """The 2-rank run of test_parity.py's launch, cut at step 8 (a checkpoint: θ_outer, the momentum, each
+    replica's AdamW) and resumed to 15, equals the uninterrupted run bit for bit: each loss, grad norm and
+    evaluation. A checkpoint with one replica's AdamW for both, or without the momentum, fails here. ddp_train.py
+    resumes the same checkpoint: its evaluation before its first step is the DiLoCo run's of θ_outer at the cut."""
+    from test_parity import launch_group
+    _, out = spawned
+    [args] = diloco_runs(2)
+    shared_run.batch(2, launch_group(2))
+    whole = run_record(shared_run(SCRIPT, 2, args)[0])
+    resumed = run_record(out / "resumed")
+    finite(resumed["loss"] + resumed["grad_norm"], "resumed")
+    assert resumed["loss"] == whole["loss"] and resumed["grad_norm"] == whole["grad_norm"], (resumed, whole)
+    assert resumed["eval"] == whole["eval"], (resumed["eval"], whole["eval"])
+    assert [e[0] for e in run_record(out / "ddp_resumed")["eval"]] == [CUT, CUT + 1]
+    cut_eval = spawned[0][0]["cut_eval"]
+    assert run_record(out / "ddp_resumed")["eval"][0] == (CUT, cut_eval["train_loss"], cut_eval["val_loss"])
+
+
+BAD_INPUT = [  # (flags, ranks, what the one error line names)
+    (["--inner_steps", "0"], None, "--inner_steps: must be >= 1"),
+    (["--outer_lr", "0"], None, "--outer_lr: must be > 0"),
+    (["--outer_lr", "nan"], None, "--outer_lr: must be > 0"),
+    (["--outer_momentum", "1"], None, "--outer_momentum: must be in [0, 1)"),
+    (["--outer_momentum", "-0.1"], None, "--outer_momentum: must be in [0, 1)"),
+    (["--inner_steps", "4", "--checkpoint_interval", "6"], None, "--checkpoint_interval: must be a multiple"),
+    (["--implementation", "pytorch"], 2, "--implementation: custom only; torch has no DiLoCo"),
+    (["--bucket_cap_mb", "25"], None, "--bucket_cap_mb"),  # no buckets: DDP's flag is unknown here
+    (["--batch_size", "6"], 4, "--batch_size"),
+]
+
+
+@pytest.mark.parametrize("flags,nproc,named", BAD_INPUT, ids=[" ".join(f) for f, _, _ in BAD_INPUT])
+def test_bad_input(flags, nproc, named, tmp_path, monkeypatch, capsys):
+    assert named in refusal(SCRIPT, nproc, TINY + ["--max_iters", "2", "--out_dir", str(tmp_path)] + flags,
+                            monkeypatch, capsys)
+
+
+def test_resume_at_another_world_size_is_one_line(spawned, tmp_path):
+    """A DiLoCo checkpoint holds each replica's AdamW state: resumed at another world size, one error line."""
+    from conftest import the_one_error
+    _, out = spawned
+    error = the_one_error(SCRIPT, None, TINY + ["--max_iters", "20", "--resume_from", str(out / "resumed" / "ckpt.pt"),
+                                                "--out_dir", str(tmp_path)])
+    assert "--resume: the checkpoint holds 2 DiLoCo replicas, this run has 1" in error, error
