@@ -151,6 +151,8 @@ AS_USERS_TORCH = {
     ("tp_train.py", "pytorch", 2, ("--sequence_parallel", "--loss_parallel", "false")),
     ("tp_train.py", "pytorch", 4, ("--tensor_parallel_size", "2", "--sequence_parallel", "--grad_accum_steps", "2")),
     ("fsdp_train.py", "custom", 2, ()), ("fsdp_train.py", "pytorch", 2, ()),  # ShardedAdamW; FSDP2
+    ("fsdp_hsdp_train.py", "custom", 2, ()),  # as fsdp_train.py's row, which it equals bit for bit
+    ("fsdp_hsdp_train.py", "pytorch", 4, ("--replicate_size", "2", "--grad_accum_steps", "2")),  # on a 2-D mesh
     ("ddp_train.py", "custom", 2, ()), ("ddp_train.py", "pytorch", 2, ()),
     ("ep_train.py", "custom", 2, ("--n_experts", "4", "--top_k", "2", "--grad_accum_steps", "2")),
     ("ep_train.py", "pytorch", 2, ("--n_experts", "4", "--top_k", "2")),
@@ -472,8 +474,9 @@ def test_hsdp_of_one_replica_is_fsdp_bit_for_bit(shared_run):
     """fsdp_hsdp_train.py at --replicate_size 1 shards over every rank and has no replica to all-reduce with: the
     same collectives on the same numbers as fsdp_train.py, so the same bits (both runs are parity rows above)."""
     flags = FLAGS + ["--implementation", "custom"]
-    shared_run.batch(2, launch_group(2))
-    hsdp, fsdp = (run_record(shared_run(script, 2, flags)[0]) for script in ("fsdp_hsdp_train.py", "fsdp_train.py"))
+    shared_run.batch(2, launch_group(2, as_user=True), as_user=True)  # both rows run as users' torch does
+    hsdp, fsdp = (run_record(shared_run(script, 2, flags, as_user=True)[0])
+                  for script in ("fsdp_hsdp_train.py", "fsdp_train.py"))
     assert len(hsdp["loss"]) == STEPS and hsdp == fsdp, (hsdp, fsdp)
 
 
