@@ -65,7 +65,7 @@ def step_counted(step):
 
 
 attends = dict(forward=0, backward=0)
-comm = dict(bytes={}, steps=0, step=None)  # this run's bytes by collective@group; its second step's
+comm = dict(bytes={}, steps=0, step=None, members={})  # this run's bytes by collective@group; its second step's
 COUNTED_COLLECTIVES = {"all_reduce": (0, 2), "all_gather_single": (1, 2), "all_gather_into_tensor": (1, 2),
                        "reduce_scatter_single": (1, 3), "reduce_scatter_tensor": (1, 3)}  # (input's, group's) place
 
@@ -74,6 +74,7 @@ def count_collectives():
     """Wraps torch.distributed's collectives that plan.py counts: each call adds its input's bytes to
     comm["bytes"] under collective@group (the scripts look them up on torch.distributed at each call)."""
     import torch.distributed as dist
+    members = comm["members"]  # id(group) -> its ranks as the key names them, once a group and run
 
     def counting(name, place, group_place, collective):
         def call(*args, **kwargs):
@@ -81,7 +82,10 @@ def count_collectives():
             op = kwargs.get("op", args[1] if name == "all_reduce" and len(args) > 1 else None)
             if op != dist.ReduceOp.AVG:
                 tensor = args[place] if len(args) > place else kwargs["tensor" if place == 0 else "input"]
-                ranks = ",".join(map(str, dist.get_process_group_ranks(group or dist.group.WORLD)))
+                group = group or dist.group.WORLD  # by id: holding the group would outlive teardown
+                if id(group) not in members:
+                    members[id(group)] = ",".join(map(str, dist.get_process_group_ranks(group)))
+                ranks = members[id(group)]
                 key = f"{name.split('_')[0]}_{name.split('_')[1]}@{ranks}"
                 comm["bytes"][key] = comm["bytes"].get(key, 0) + tensor.numel() * tensor.element_size()
             return collective(*args, **kwargs)
@@ -190,6 +194,7 @@ if __name__ == "__main__":
         after_first_step.clear()
         attends.update(forward=0, backward=0)
         comm.update(bytes={}, steps=0, step=None)
+        comm["members"].clear()  # a group's id may be another's in a later run
         measured = MEMORY in argv
         argv = [arg for arg in argv if arg != MEMORY]
         sys.argv = [f"{script}.py", *argv]  # as in a run of its own (a checkpoint names the script that wrote it)

@@ -4,6 +4,7 @@ own AdamW, the outer Nesterov step by hand): losses, grad norms, evaluations of 
 checkpoint's θ_outer, momentum and every replica's AdamW state; H times fewer bytes a step than ddp's, counted;
 24 bytes a parameter of model state; resume bit for bit, and ddp_train.py resuming θ_outer; bad flags.
 The 2- and 4-rank runs ride tests/test_parity.py's launches (launch_group: diloco_runs)."""
+import json
 import math
 import os
 import sys
@@ -198,16 +199,16 @@ def test_replicas_equal_a_one_process_simulation(nproc, shared_run):
 
 # ---- in one spawn of 2 ranks: the bytes each step sends against ddp's, resume, ddp_train.py resuming θ_outer ------
 
-H = 4
-COUNTED = TINY + ["--max_iters", str(2 * H), "--seed", "1337"]  # two windows; no evaluation
+H = 4  # the 2-rank run's --inner_steps (DILOCO_RUNS)
 CUT = 8  # a multiple of H: a checkpoint is written at an outer step
+DDP_ROW = FLAGS + ["--implementation", "custom", "--grad_accum_steps", "2"]  # a 2-rank parity row of ddp_train.py
 
 
 def _spawned(rank, world_size, out):
     """Every run of the module fixture below, each its script's main() in turn, in these ranks (as tests/runs.py):
-    ddp_train.py and DiLoCo at H = 4 with each floating-point all-reduce's bytes counted; the 2-rank DiLoCo run
-    of test_parity.py's launch cut at step CUT; ddp_train.py resuming its checkpoint and evaluating it before its
-    first step; and the cut run resumed to STEPS in its own out_dir."""
+    the 2-rank DiLoCo run of test_parity.py's launch cut at step CUT, each floating-point all-reduce's bytes
+    counted; ddp_train.py resuming its checkpoint and evaluating it before its first step; and the cut run resumed
+    to STEPS in its own out_dir."""
     import ddp_diloco_train
     import ddp_train
     from runs import fresh_run_state
@@ -221,27 +222,22 @@ def _spawned(rank, world_size, out):
         return all_reduce(tensor, *args, **kwargs)
 
     counted = {}
-    dist.all_reduce = counting
-    try:
-        for name, main, extra in (("ddp", ddp_train.main, []),
-                                  ("diloco", ddp_diloco_train.main, ["--inner_steps", str(H)])):
-            fresh_run_state()
-            sent.clear()
-            main(COUNTED + extra + ["--out_dir", os.path.join(out, name)])
-            counted[name] = list(sent)
-    finally:
-        dist.all_reduce = all_reduce
     [args] = diloco_runs(2)
     runs = [(ddp_diloco_train.main, args + ["--max_iters", str(CUT), "--lr_decay_iters", str(STEPS)], "resumed"),
             (ddp_train.main, FLAGS + ["--max_iters", str(CUT + 1), "--lr_decay_iters", str(STEPS),
                                       "--eval_interval", str(CUT), "--resume_from",
                                       os.path.join(out, "resumed", "ckpt.pt")], "ddp_resumed"),
             (ddp_diloco_train.main, args + ["--lr_decay_iters", str(STEPS), "--resume"], "resumed")]
-    for main, flags, out_dir in runs:
+    for k, (main, flags, out_dir) in enumerate(runs):
         fresh_run_state()
         sys.argv = [os.path.basename(main.__globals__["__file__"]), *flags]  # as tests/runs.py: the ckpt's script
-        main(flags + ["--out_dir", os.path.join(out, out_dir)])
-        if out_dir == "resumed" and "--resume" not in flags:  # the cut run's final evaluation, of θ_outer at CUT
+        dist.all_reduce = counting if k == 0 else all_reduce
+        try:
+            main(flags + ["--out_dir", os.path.join(out, out_dir)])
+        finally:
+            dist.all_reduce = all_reduce
+        if k == 0:  # the cut run: its bytes, and its final evaluation, of θ_outer at CUT
+            counted["diloco"] = list(sent)
             counted["cut_eval"] = [r for r in read_metrics(os.path.join(out, out_dir)) if "val_loss" in r][-1]
     return counted
 
@@ -252,22 +248,27 @@ def spawned(tmp_path_factory):
     return spawn(_spawned, 2, str(out)), out
 
 
-def test_each_step_sends_h_times_fewer_parameter_bytes_than_ddp(spawned):
-    """Counted on every rank over two windows of H = 4 steps: ddp all-reduces its 4P gradient bytes every step (one
-    bucket here) and a 4-byte loss; DiLoCo all-reduces the 4P pseudo-gradient bytes once a window, H times fewer a
-    step, and every step 8 bytes (the loss and the grad norm to log: not parameter-sized, outside the H x). A
-    DiLoCo that all-reduced every step, or sent its loss and norm apart, fails here."""
+def test_each_step_sends_h_times_fewer_parameter_bytes_than_ddp(spawned, shared_run):
+    """Counted on every rank over the cut run's two windows of H = 4 steps: DiLoCo all-reduces the 4P
+    pseudo-gradient bytes once a window, and every step 8 bytes (the loss and the grad norm to log: not
+    parameter-sized, outside the H x), and 4 bytes an evaluation; ddp_train.py, counted by tests/runs.py in a step of
+    its parity row, all-reduces its 4P gradient bytes every step: H times DiLoCo's. A DiLoCo that all-reduced every
+    step, or sent its loss and norm apart, fails here."""
+    from test_parity import launch_group
     ranks, _ = spawned
     P = sum(p.numel() for p in GPT(config(), device="meta").parameters())
-    steps = 2 * H
-    for counted in ranks:
-        ddp, diloco = counted["ddp"], counted["diloco"]
-        assert sorted(ddp) == sorted([4 * P] * steps + [4] * steps), ddp
-        assert sorted(diloco) == sorted([4 * P] * (steps // H) + [8] * steps), diloco
-        big = {name: sum(b for b in counted[name] if b > 8) for name in ("ddp", "diloco")}
-        assert big["ddp"] == H * big["diloco"] == 4 * P * steps
-        print(f"parameter-sized bytes a step: ddp {big['ddp'] // steps:,}, DiLoCo {big['diloco'] // steps:,} "
-              f"(H = {H}); plus 4 and 8 bytes a step of logged scalars")
+    shared_run.batch(2, launch_group(2))
+    ddp_dir = shared_run("ddp_train.py", 2, DDP_ROW)[0]
+    evaluations = len({0, 6, CUT})  # the cut run's (--eval_interval 6, and its last step): train and val each
+    for rank, counted in enumerate(ranks):
+        ddp = json.load(open(os.path.join(ddp_dir, f"comm_rank{rank}.json")))
+        assert ddp == {"all_reduce@0,1": 4 * P}, ddp  # a step's gradients, once (accumulation: the last micro-step)
+        diloco = counted["diloco"]
+        assert sorted(diloco) == sorted([4 * P] * (CUT // H) + [8] * CUT + [4] * 2 * evaluations), diloco
+        per_step = sum(b for b in diloco if b > 8) / CUT
+        assert ddp["all_reduce@0,1"] == H * per_step == 4 * P
+        print(f"parameter-sized bytes a step: ddp {4 * P:,}, DiLoCo {per_step:,.0f} (H = {H}); plus 8 bytes a step "
+              f"of logged scalars")
 
 
 def test_resume_is_bit_identical_and_ddp_resumes_theta_outer(spawned, shared_run):
@@ -308,10 +309,22 @@ def test_bad_input(flags, nproc, named, tmp_path, monkeypatch, capsys):
                             monkeypatch, capsys)
 
 
-def test_resume_at_another_world_size_is_one_line(spawned, tmp_path):
-    """A DiLoCo checkpoint holds each replica's AdamW state: resumed at another world size, one error line."""
-    from conftest import the_one_error
+def test_resume_at_another_world_size_is_one_line(spawned, capsys):
+    """A DiLoCo checkpoint holds each replica's AdamW state: resumed at another world size, one error line (the
+    2-rank cut run's checkpoint, loaded by the strategy of a one-rank run, in this process)."""
+    import ddp_diloco_train
+    from common.config import gpt_config, parse_args
     _, out = spawned
-    error = the_one_error(SCRIPT, None, TINY + ["--max_iters", "20", "--resume_from", str(out / "resumed" / "ckpt.pt"),
-                                                "--out_dir", str(tmp_path)])
-    assert "--resume: the checkpoint holds 2 DiLoCo replicas, this run has 1" in error, error
+    ckpt = torch.load(out / "resumed" / "ckpt.pt", weights_only=False)
+    args = parse_args("ddp", ddp_diloco_train.add_ddp_flags, TINY)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = ddp_diloco_train.DiLoCo(gpt_config(args), args, torch.device("cpu"), ckpt["model"])
+        with pytest.raises(SystemExit) as stop:
+            model.configure_optimizer(args, ckpt["optimizer"])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert stop.value.code == 2 and len(errors) == 1, errors
+    assert errors[0].startswith("error: --resume: the checkpoint holds 2 DiLoCo replicas, this run has 1"), errors
