@@ -77,6 +77,8 @@ def count_collectives():
     members = comm["members"]  # id(group) -> its ranks as the key names them, once a group and run
 
     def counting(name, place, group_place, collective):
+        short = "_".join(name.split("_")[:2])  # all_gather_single, all_gather_into_tensor: all_gather
+
         def call(*args, **kwargs):
             group = kwargs.get("group", args[group_place] if len(args) > group_place else None)
             op = kwargs.get("op", args[1] if name == "all_reduce" and len(args) > 1 else None)
@@ -86,7 +88,7 @@ def count_collectives():
                 if id(group) not in members:
                     members[id(group)] = ",".join(map(str, dist.get_process_group_ranks(group)))
                 ranks = members[id(group)]
-                key = f"{name.split('_')[0]}_{name.split('_')[1]}@{ranks}"
+                key = f"{short}@{ranks}"
                 comm["bytes"][key] = comm["bytes"].get(key, 0) + tensor.numel() * tensor.element_size()
             return collective(*args, **kwargs)
         return functools.wraps(collective)(call)
@@ -146,12 +148,13 @@ def check_plan(script, argv, out_dir):
     if script not in plan.PLANS or not summary or not summary[-1]["tokens_per_sec"]:
         return  # a run that took no step (--max_iters 0, a resume at its end) has no gradients: the plan is a step's
     logged = summary[-1]["model_state_bytes_per_rank"]
-    ranks = plan.plan(script, len(logged), argv)
+    args = plan_report.script_args(script, argv, len(logged))  # the script's own parser, once
+    ranks = plan.plan(script, len(logged), argv, args=args)
     predicted = plan_report.per_rank(ranks, len(logged), "model_state")
     if predicted != logged:
         raise AssertionError(f"plan.py {script} {' '.join(argv)}: model state per rank {predicted}, the run "
                              f"logged {logged}")
-    if not plan_report.activations_measured(script, plan_report.script_args(script, argv, len(logged))):
+    if not plan_report.activations_measured(script, args):
         return  # torch's schedules' and policies': the plan prints the custom script's, and says so
     peak = summary[-1].get("peak_activation_bytes_per_rank")  # a pipeline's: the schedule's most held
     planned = plan_report.per_rank(ranks, len(logged), "peak_activations")
