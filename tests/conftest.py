@@ -395,9 +395,11 @@ def runs_here(script, implementation, dtype="float32"):
 # cross-strategy, checkpoint-state and profile tests all read them, so the first to ask runs them all in one launch.
 CUT_SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py",
                "pp_zb_train.py", "pp_vocab_train.py", "zero3_tuning_train.py", "tp_overlap_train.py",
-               "fsdp_hsdp_train.py"]
+               "fsdp_hsdp_train.py", "ddp_diloco_train.py"]
 CUT_RUNS = [(s, "custom") for s in CUT_SCRIPTS] + [(s, "pytorch") for s in CUT_SCRIPTS[:5]]
-CUT_FLAGS = {"fsdp_hsdp_train.py": ["--replicate_size", "2"]}  # 2 replicas: their all-reduce, replica 0's checkpoint
+CUT_FLAGS = {"fsdp_hsdp_train.py": ["--replicate_size", "2"],  # 2 replicas: their all-reduce, replica 0's checkpoint
+             # an outer step every 3 steps (CUT is one: a checkpoint) and an evaluation mid-window (step 4)
+             "ddp_diloco_train.py": ["--inner_steps", "3", "--eval_interval", "4"]}
 
 
 def cut_run_dir(shared_run, script, implementation):
@@ -453,6 +455,15 @@ def shared_run(tmp_path_factory):
         return runs[key]
     get.batch = batch
     return get
+
+
+@pytest.fixture(scope="session")
+def references(shared_run):
+    """references(extra=()) -> (reference, plain): tests/test_parity.py's one-process reference and plain loop for
+    that row's model shape (one_process_references there), made once a session, by the first test that asks (its
+    launch carries every other one-process run that a test compares with them)."""
+    from test_parity import one_process_references
+    return one_process_references(shared_run)
 
 
 def _plain(t):

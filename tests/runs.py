@@ -14,6 +14,7 @@ comm_rank<RANK>.json, the bytes this rank handed to each collective in its secon
 as plan.py counts them (an all-reduce's tensor, an all-gather's input, a reduce-scatter's input; the AVG all-reduces
 of the logged loss and of evaluations left out, as plan.py leaves them):
     {"all_reduce@0,2": bytes, "reduce_scatter@0,1": bytes, ...}  (the group's ranks, in order)
+comm_steps_rank<RANK>.json, the same for each training step from the second on, in order: [{...}, {...}, ...],
 and attend_rank<RANK>.json, how often this rank's attention cores ran (every class's `attend`, the function
 --activation_checkpointing selective recomputes and full recomputes inside its block), outside compiled code:
     {"forward": calls with autograd recording, outside backward, "backward": calls inside backward (a recompute)}
@@ -53,8 +54,8 @@ def step_counted(step):
         if not after_first_step:
             after_first_step.append(counted())
         comm["steps"] += 1
-        if comm["steps"] == 2:  # from the first step's end to the second's
-            comm["step"] = dict(comm["bytes"])
+        if comm["steps"] >= 2:  # from the previous step's end to this one's (the first's holds setup's polls)
+            comm["per_step"].append(dict(comm["bytes"]))
         comm["bytes"].clear()
         if memory["meter"] is not None:  # from the first step's end to the second's: a step's peak
             meter, memory["steps"] = memory["meter"], memory["steps"] + 1
@@ -65,7 +66,7 @@ def step_counted(step):
 
 
 attends = dict(forward=0, backward=0)
-comm = dict(bytes={}, steps=0, step=None, members={})  # this run's bytes by collective@group; its second step's
+comm = dict(bytes={}, steps=0, per_step=[], members={})  # bytes by collective@group: so far, each step's from the 2nd
 COUNTED_COLLECTIVES = {"all_reduce": (0, 2), "all_gather_single": (1, 2), "all_gather_into_tensor": (1, 2),
                        "reduce_scatter_single": (1, 3), "reduce_scatter_tensor": (1, 3)}  # (input's, group's) place
 
@@ -196,7 +197,7 @@ if __name__ == "__main__":
         fresh_run_state()
         after_first_step.clear()
         attends.update(forward=0, backward=0)
-        comm.update(bytes={}, steps=0, step=None)
+        comm.update(bytes={}, steps=0, per_step=[])
         comm["members"].clear()  # a group's id may be another's in a later run
         measured = MEMORY in argv
         argv = [arg for arg in argv if arg != MEMORY]
@@ -221,9 +222,11 @@ if __name__ == "__main__":
                 json.dump(dict(step_peak=memory["step_peak"]), f)
         with open(os.path.join(out_dir, f"attend_rank{rank}.json"), "w") as f:
             json.dump(attends, f)
-        if comm["step"] is not None:
+        if comm["per_step"]:
             with open(os.path.join(out_dir, f"comm_rank{rank}.json"), "w") as f:
-                json.dump(comm["step"], f)
+                json.dump(comm["per_step"][0], f)
+            with open(os.path.join(out_dir, f"comm_steps_rank{rank}.json"), "w") as f:
+                json.dump(comm["per_step"], f)
         if after_first_step:
             with open(os.path.join(out_dir, f"dynamo_rank{rank}.json"), "w") as f:
                 json.dump(dict(after_first_step=after_first_step[0], end=counted()), f)

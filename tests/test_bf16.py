@@ -53,8 +53,8 @@ def bf16_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("script,implementation", [pytest.param(*r, marks=peer_needs(*r, "bfloat16")) for r in RUNS],
                          ids=[f"{s[:-9]}-{i}" for s, i in RUNS])
-def test_bf16_tracks_fp32_and_sends_bf16(script, implementation, shared_run, bf16_runs):
-    reference = step_losses(shared_run("ddp_train.py", None, FLAGS)[0])
+def test_bf16_tracks_fp32_and_sends_bf16(script, implementation, references, bf16_runs):
+    reference = references()[0]["loss"]  # test_parity.py's fp32 one-process reference: FLAGS
     out_dir, ranks = bf16_runs[(script, implementation)]
     losses = step_losses(out_dir)
     delta = worst(abs(a - b) for a, b in paired(losses, reference[:len(losses)], f"{script} bf16 losses"))

@@ -1,22 +1,24 @@
 """ddp_diloco_train.py (DiLoCo): one replica with outer lr 1 and momentum 0 is plain training; at 2 and 4 ranks the run
 equals a one-process simulation written here (each replica's rows of the same global batch in turn, each with its
 own AdamW, the outer Nesterov step by hand): losses, grad norms, evaluations of θ_outer mid-window, and the final
-checkpoint's θ_outer, momentum and every replica's AdamW state; H times fewer bytes a step than ddp's, counted;
-24 bytes a parameter of model state; resume bit for bit, and ddp_train.py resuming θ_outer; bad flags.
-The 2- and 4-rank runs ride tests/test_parity.py's launches (launch_group: diloco_runs)."""
+checkpoint's θ_outer, momentum and every replica's AdamW state; H times fewer bytes than ddp's, counted step by step;
+24 bytes a parameter of model state; bad flags, and a resume at another world size.
+No launch of its own: the 2- and 4-rank runs ride tests/test_parity.py's launches (launch_group: diloco_runs), the
+one-replica run its one-process launch, and the simulations run in that launch's shadow (one_process_references).
+The 2-rank run is also the uninterrupted run of tests/test_reliability.py's resume sweep (conftest.CUT_FLAGS), which
+resumes its cut at step 6 bit for bit and has ddp_train.py resume θ_outer from it."""
+import functools
 import json
 import math
 import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import (PARITY, PARITY_EVAL_ITERS, PARITY_STEPS, TINY, finite, paired, read_metrics, refusal,
-                      run_record, spawn, worst)
+from conftest import (CUT_FLAGS, PARITY, PARITY_EVAL_ITERS, PARITY_STEPS, TINY, cut_run_dir, paired, read_metrics,
+                      refusal, run_record, worst)
 from common.data import get_batch
-from common.metrics import held_bytes
 from common.model import GPT, GPTConfig
 
 SCRIPT = "ddp_diloco_train.py"
@@ -30,15 +32,15 @@ TOL, NORM_TOL = 1e-5, 1e-6  # the parity tolerances (tests/test_parity.py)
 # the moments by at most 6e-7. Another replica's AdamW state in a replica's place differs by 1.2 or more.
 STATE_TOL = 1e-3
 
-# The runs at 2 and 4 ranks, in test_parity.py's launches: at 2, H = 4 over 15 steps (a last window of 3) and an
-# evaluation every 6 steps (step 6 is mid-window: θ_outer, not a replica's weights); at 4, H = 3 with accumulation
-# and another momentum.
-DILOCO_RUNS = {2: [dict(inner_steps=4, eval_interval=6)],
+# The runs at 2 and 4 ranks, in test_parity.py's launches: at 2, H = 3 over 15 steps and an evaluation every 4
+# (step 4 is mid-window: θ_outer, not a replica's weights), the resume sweep's run (conftest.CUT_FLAGS); at 4, H = 3
+# with accumulation and another momentum. (The one-replica run below ends on a partial window.)
+DILOCO_RUNS = {2: [dict(inner_steps=3, eval_interval=4)],
                4: [dict(inner_steps=3, grad_accum_steps=2, outer_momentum=0.5)]}
 
 
 def diloco_args(settings):
-    return FLAGS + [x for name, value in settings.items() for x in (f"--{name}", str(value))]
+    return FLAGS + ["--implementation", "custom"] + [x for k, v in settings.items() for x in (f"--{k}", str(v))]
 
 
 def diloco_runs(nproc):
@@ -56,6 +58,13 @@ def adamw(model, lr=1e-3):
     return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
                               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                              lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+@functools.cache
+def simulations():
+    """simulate() of every run of DILOCO_RUNS, once: {(nproc, settings' items): its result}."""
+    return {(nproc, tuple(settings.items())): simulate(nproc, **settings)
+            for nproc, runs in DILOCO_RUNS.items() for settings in runs}
 
 
 def simulate(nproc, inner_steps, outer_lr=0.7, outer_momentum=0.9, grad_accum_steps=1, eval_interval=STEPS,
@@ -150,14 +159,13 @@ def one_replica_run():
     return SCRIPT, FLAGS + ["--inner_steps", "4", "--outer_lr", "1", "--outer_momentum", "0"]
 
 
-def test_one_replica_with_outer_lr_1_and_no_momentum_is_plain_training(shared_run):
+def test_one_replica_with_outer_lr_1_and_no_momentum_is_plain_training(references, shared_run):
     """θ_outer − 1·(θ_outer − θ_local) is θ_local up to rounding: one replica at outer lr 1 and momentum 0 is one
     process's AdamW training (ddp_train.py's, test_parity.py's reference), H = 4 over 15 steps (a last window of
     3): every loss, grad norm and evaluation. An outer step that summed θ_outer + Δ, stepped the wrong way or reset
     AdamW's state fails here; and the model state is 24 bytes a parameter."""
+    reference, _ = references()  # its launch runs this one too
     _, args = one_replica_run()
-    shared_run.batch(None, [("ddp_train.py", FLAGS), (SCRIPT, args)])
-    reference = run_record(shared_run("ddp_train.py", None, FLAGS)[0])
     out_dir, _ = shared_run(SCRIPT, None, args)
     run = run_record(out_dir)
     assert len(run["loss"]) == STEPS and [e[0] for e in run["eval"]] == [0, STEPS]
@@ -168,17 +176,18 @@ def test_one_replica_with_outer_lr_1_and_no_momentum_is_plain_training(shared_ru
 
 
 @pytest.mark.parametrize("nproc", sorted(DILOCO_RUNS))
-def test_replicas_equal_a_one_process_simulation(nproc, shared_run):
+def test_replicas_equal_a_one_process_simulation(nproc, references, shared_run):
     """2 and 4 ranks against simulate(): each step's loss and grad norm (the replicas' means), the evaluations of
-    θ_outer (at 2 ranks also mid-window, at step 6), and the checkpoint at the end: θ_outer as the model, the outer
+    θ_outer (at 2 ranks also mid-window, at step 4), and the checkpoint at the end: θ_outer as the model, the outer
     momentum and each replica's own AdamW state; the model state is 24 bytes a parameter on every rank."""
     from test_parity import launch_group
+    references()  # its launch's thread runs the simulations
     shared_run.batch(nproc, launch_group(nproc))
     for settings in DILOCO_RUNS[nproc]:
         args = diloco_args(settings)
         out_dir, _ = shared_run(SCRIPT, nproc, args)
         run = run_record(out_dir)
-        ref, outer, momentum, inner = simulate(nproc, **settings)
+        ref, outer, momentum, inner = simulations()[(nproc, tuple(settings.items()))]
         every = settings.get("eval_interval", STEPS)
         assert [e[0] for e in run["eval"]] == sorted({*range(0, STEPS, every), STEPS}), run["eval"]
         dloss, dnorm = differences(run, ref)
@@ -197,97 +206,34 @@ def test_replicas_equal_a_one_process_simulation(nproc, shared_run):
         assert read_metrics(out_dir)[-1]["model_state_bytes_per_rank"] == [state_bytes(args)] * nproc
 
 
-# ---- in one spawn of 2 ranks: the bytes each step sends against ddp's, resume, ddp_train.py resuming θ_outer ------
+def test_the_2_rank_run_is_the_resume_sweeps_uninterrupted_run():
+    """tests/test_reliability.py compares its resume of the cut run with this run: the same flags, or a launch more."""
+    assert diloco_runs(2) == [FLAGS + ["--implementation", "custom"] + CUT_FLAGS[SCRIPT]]
 
-H = 4  # the 2-rank run's --inner_steps (DILOCO_RUNS)
-CUT = 8  # a multiple of H: a checkpoint is written at an outer step
+
 DDP_ROW = FLAGS + ["--implementation", "custom", "--grad_accum_steps", "2"]  # a 2-rank parity row of ddp_train.py
 
 
-def _spawned(rank, world_size, out):
-    """Every run of the module fixture below, each its script's main() in turn, in these ranks (as tests/runs.py):
-    the 2-rank DiLoCo run of test_parity.py's launch cut at step CUT, each floating-point all-reduce's bytes
-    counted; ddp_train.py resuming its checkpoint and evaluating it before its first step; and the cut run resumed
-    to STEPS in its own out_dir."""
-    import ddp_diloco_train
-    import ddp_train
-    from runs import fresh_run_state
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")  # as a launch's ranks have
-    sent, all_reduce = [], dist.all_reduce
-
-    def counting(tensor, *args, **kwargs):
-        if tensor.is_floating_point():  # not setup_data's integer polls, which depend on timing
-            sent.append(held_bytes([tensor]))
-        return all_reduce(tensor, *args, **kwargs)
-
-    counted = {}
-    [args] = diloco_runs(2)
-    runs = [(ddp_diloco_train.main, args + ["--max_iters", str(CUT), "--lr_decay_iters", str(STEPS)], "resumed"),
-            (ddp_train.main, FLAGS + ["--max_iters", str(CUT + 1), "--lr_decay_iters", str(STEPS),
-                                      "--eval_interval", str(CUT), "--resume_from",
-                                      os.path.join(out, "resumed", "ckpt.pt")], "ddp_resumed"),
-            (ddp_diloco_train.main, args + ["--lr_decay_iters", str(STEPS), "--resume"], "resumed")]
-    for k, (main, flags, out_dir) in enumerate(runs):
-        fresh_run_state()
-        sys.argv = [os.path.basename(main.__globals__["__file__"]), *flags]  # as tests/runs.py: the ckpt's script
-        dist.all_reduce = counting if k == 0 else all_reduce
-        try:
-            main(flags + ["--out_dir", os.path.join(out, out_dir)])
-        finally:
-            dist.all_reduce = all_reduce
-        if k == 0:  # the cut run: its bytes, and its final evaluation, of θ_outer at CUT
-            counted["diloco"] = list(sent)
-            counted["cut_eval"] = [r for r in read_metrics(os.path.join(out, out_dir)) if "val_loss" in r][-1]
-    return counted
-
-
-@pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
-    out = tmp_path_factory.mktemp("diloco")
-    return spawn(_spawned, 2, str(out)), out
-
-
-def test_each_step_sends_h_times_fewer_parameter_bytes_than_ddp(spawned, shared_run):
-    """Counted on every rank over the cut run's two windows of H = 4 steps: DiLoCo all-reduces the 4P
-    pseudo-gradient bytes once a window, and every step 8 bytes (the loss and the grad norm to log: not
-    parameter-sized, outside the H x), and 4 bytes an evaluation; ddp_train.py, counted by tests/runs.py in a step of
-    its parity row, all-reduces its 4P gradient bytes every step: H times DiLoCo's. A DiLoCo that all-reduced every
-    step, or sent its loss and norm apart, fails here."""
+def test_each_step_sends_h_times_fewer_parameter_bytes_than_ddp(shared_run):
+    """Counted on every rank, step by step (tests/runs.py: each step's bytes from the second on, the logged scalars'
+    AVG all-reduces aside): the 2-rank DiLoCo run all-reduces the 4P pseudo-gradient bytes at the end of every H-th
+    step and nothing in the steps between; ddp_train.py's parity row all-reduces its 4P gradient bytes every step
+    (once, accumulating over 2 micro-steps): H times DiLoCo's over a window. A DiLoCo that all-reduced every step,
+    or in the wrong step, fails here."""
     from test_parity import launch_group
-    ranks, _ = spawned
+    [settings], [args] = DILOCO_RUNS[2], diloco_runs(2)
+    H = settings["inner_steps"]
     P = sum(p.numel() for p in GPT(config(), device="meta").parameters())
     shared_run.batch(2, launch_group(2))
-    ddp_dir = shared_run("ddp_train.py", 2, DDP_ROW)[0]
-    evaluations = len({0, 6, CUT})  # the cut run's (--eval_interval 6, and its last step): train and val each
-    for rank, counted in enumerate(ranks):
-        ddp = json.load(open(os.path.join(ddp_dir, f"comm_rank{rank}.json")))
-        assert ddp == {"all_reduce@0,1": 4 * P}, ddp  # a step's gradients, once (accumulation: the last micro-step)
-        diloco = counted["diloco"]
-        assert sorted(diloco) == sorted([4 * P] * (CUT // H) + [8] * CUT + [4] * 2 * evaluations), diloco
-        per_step = sum(b for b in diloco if b > 8) / CUT
-        assert ddp["all_reduce@0,1"] == H * per_step == 4 * P
-        print(f"parameter-sized bytes a step: ddp {4 * P:,}, DiLoCo {per_step:,.0f} (H = {H}); plus 8 bytes a step "
-              f"of logged scalars")
-
-
-def test_resume_is_bit_identical_and_ddp_resumes_theta_outer(spawned, shared_run):
-    """The 2-rank run of test_parity.py's launch, cut at step 8 (a checkpoint: θ_outer, the momentum, each
-    replica's AdamW) and resumed to 15, equals the uninterrupted run bit for bit: each loss, grad norm and
-    evaluation. A checkpoint with one replica's AdamW for both, or without the momentum, fails here. ddp_train.py
-    resumes the same checkpoint: its evaluation before its first step is the DiLoCo run's of θ_outer at the cut."""
-    from test_parity import launch_group
-    _, out = spawned
-    [args] = diloco_runs(2)
-    shared_run.batch(2, launch_group(2))
-    whole = run_record(shared_run(SCRIPT, 2, args)[0])
-    resumed = run_record(out / "resumed")
-    finite(resumed["loss"] + resumed["grad_norm"], "resumed")
-    assert resumed["loss"] == whole["loss"] and resumed["grad_norm"] == whole["grad_norm"], (resumed, whole)
-    assert resumed["eval"] == whole["eval"], (resumed["eval"], whole["eval"])
-    assert [e[0] for e in run_record(out / "ddp_resumed")["eval"]] == [CUT, CUT + 1]
-    cut_eval = spawned[0][0]["cut_eval"]
-    assert run_record(out / "ddp_resumed")["eval"][0] == (CUT, cut_eval["train_loss"], cut_eval["val_loss"])
+    ddp_dir, diloco_dir = shared_run("ddp_train.py", 2, DDP_ROW)[0], shared_run(SCRIPT, 2, args)[0]
+    for rank in range(2):
+        ddp, diloco = (json.load(open(os.path.join(d, f"comm_steps_rank{rank}.json"))) for d in (ddp_dir, diloco_dir))
+        assert ddp == [{"all_reduce@0,1": 4 * P}] * (STEPS - 1), ddp  # steps 1..14
+        outer = {"all_reduce@0,1": 4 * P}
+        assert diloco == [outer if (step + 1) % H == 0 else {} for step in range(1, STEPS)], diloco
+        window = [sum(d.get("all_reduce@0,1", 0) for d in steps[H - 1:2 * H - 1]) for steps in (ddp, diloco)]
+        assert window == [H * 4 * P, 4 * P], window  # steps H..2H-1: the second window
+    print(f"parameter-sized bytes a step: ddp {4 * P:,}, DiLoCo {4 * P / H:,.0f} (H = {H})")
 
 
 BAD_INPUT = [  # (flags, ranks, what the one error line names)
@@ -309,13 +255,12 @@ def test_bad_input(flags, nproc, named, tmp_path, monkeypatch, capsys):
                             monkeypatch, capsys)
 
 
-def test_resume_at_another_world_size_is_one_line(spawned, capsys):
+def test_resume_at_another_world_size_is_one_line(shared_run, capsys):
     """A DiLoCo checkpoint holds each replica's AdamW state: resumed at another world size, one error line (the
-    2-rank cut run's checkpoint, loaded by the strategy of a one-rank run, in this process)."""
+    2-rank cut run's checkpoint, conftest.cut_run_dir's, loaded by the strategy of a one-rank run, in this process)."""
     import ddp_diloco_train
     from common.config import gpt_config, parse_args
-    _, out = spawned
-    ckpt = torch.load(out / "resumed" / "ckpt.pt", weights_only=False)
+    ckpt = torch.load(cut_run_dir(shared_run, SCRIPT, "custom") / "ckpt.pt", weights_only=False)
     args = parse_args("ddp", ddp_diloco_train.add_ddp_flags, TINY)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

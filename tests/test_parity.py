@@ -231,11 +231,11 @@ def reference_runs():
     return [("ep_train.py" if "--n_experts" in key else "ddp_train.py", FLAGS + list(key)) for key in reference_keys()]
 
 
-@pytest.fixture(scope="module")
-def references(shared_run):
-    """(reference, plain) run_record dicts per distinct model_flags(extra), computed once, all at the first call: the
-    one-process references in one launch while this process runs the plain loops (one thread each: the two share the
-    machine's cores)."""
+def one_process_references(shared_run):
+    """conftest's session fixture `references`: (reference, plain) run_record dicts per distinct model_flags(extra),
+    computed once, all at the first call: the one-process references in one launch while this process runs the
+    plain loops (one thread each: the two share the machine's cores). The plain loops take the longer, so the
+    launch's thread then runs tests/test_diloco.py's one-process simulations (cached there) in their shadow."""
     cache = {}
 
     def get(extra=()):
@@ -245,8 +245,9 @@ def references(shared_run):
 
             def launch_references():
                 try:
-                    from test_diloco import one_replica_run  # DiLoCo's equal to them, in the same launch
-                    shared_run.batch(None, reference_runs() + [one_replica_run()])
+                    import test_diloco  # DiLoCo's one replica, equal to them, in the same launch
+                    shared_run.batch(None, reference_runs() + [test_diloco.one_replica_run()])
+                    test_diloco.simulations()
                 except BaseException as error:  # raised below, in the test
                     failed.append(error)
             launch = threading.Thread(target=launch_references)

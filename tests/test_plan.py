@@ -14,7 +14,8 @@ import plan_report
 from test_parity import MEMORY_FLAGS, MEMORY_RUNS, launch_group, memory_args
 
 LAYOUTS = {  # a layout each script accepts at 4 ranks, with the flags that make it one
-    "ddp_train.py": [], "ddp_diloco_train.py": [], "fsdp_train.py": [], "fsdp_hsdp_train.py": ["--replicate_size", "2"], "zero3_train.py": ["--stage", "2"], "zero3_tuning_train.py": [],
+    "ddp_train.py": [], "ddp_diloco_train.py": [], "fsdp_train.py": [], "fsdp_hsdp_train.py": ["--replicate_size", "2"],
+    "zero3_train.py": ["--stage", "2"], "zero3_tuning_train.py": [],
     "tp_train.py": ["--tensor_parallel_size", "2", "--sequence_parallel"], "tp_overlap_train.py": [],
     "cp_train.py": ["--context_parallel_size", "2"], "pp_train.py": ["--schedule", "interleaved", "--n_layer", "8"],
     "pp_vocab_train.py": [], "pp_zb_train.py": ["--schedule", "zbv", "--n_layer", "8"],

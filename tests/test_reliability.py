@@ -79,13 +79,15 @@ def resumed(shared_run, tmp_path_factory):
     implementation) continues a copy of first's cut run in second to STEPS. Returns {key: out_dir} and the launch's
     result; a run's "resuming from" line names its own out_dir."""
     jobs = [(s, "custom", s, "custom") for s in SCRIPTS] + [(f, impl(f), s, impl(s)) for f, s in CROSS]
-    jobs = [job for job in jobs if runs_here(*job[:2]) and runs_here(*job[2:])]
+    jobs = [job for job in jobs if runs_here(*job[:2]) and runs_here(*job[2:])] + [THETA_OUTER]
     out_dirs, argv = {}, []
-    for first, first_impl, second, second_impl in jobs:
-        out = out_dirs[(first, first_impl, second, second_impl)] = tmp_path_factory.mktemp("resume")
+    for job in jobs:
+        first, first_impl, second, second_impl = job
+        out = out_dirs[job] = tmp_path_factory.mktemp("resume")
         cut_run(shared_run, first, first_impl, out)
         argv += [second, *FLAGS, "--implementation", second_impl, "--max_iters", str(STEPS), "--resume",
-                 *CUT_FLAGS.get(second, []), "--out_dir", str(out), "---"]
+                 *CUT_FLAGS.get(second, []), *(["--eval_interval", str(CUT)] if job == THETA_OUTER else []),
+                 "--out_dir", str(out), "---"]
     result = launch("tests/runs.py", 2, argv[:-1], timeout=60 + 30 * len(jobs), torchrun=False)
     assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return out_dirs, result
@@ -105,6 +107,26 @@ def _cut_and_resume(resumed, script, implementation):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_resume_is_bit_identical(script, shared_run, resumed):
     assert _cut_and_resume(resumed, script, "custom") == uninterrupted(shared_run, script, 2)
+
+
+# ddp_train.py continuing ddp_diloco_train.py's cut run, evaluating before its first step: a DiLoCo checkpoint's model
+# is θ_outer (every replica's weights at an outer step), which every script resumes as a plain run's.
+THETA_OUTER = ("ddp_diloco_train.py", "custom", "ddp_train.py", "custom")
+
+
+def test_ddp_resumes_diloco_at_theta_outer(shared_run, resumed):
+    """ddp_train.py's evaluation at the cut (step 6, before its first step) is the DiLoCo cut run's own evaluation at
+    its end, of θ_outer: the same losses, bit for bit; then it trains on to the end."""
+    out_dirs, result = resumed
+    out = out_dirs[THETA_OUTER]
+    assert f"resuming from {out / 'ckpt.pt'} at step {CUT}" in result.stdout
+    evals = [r for r in read_metrics(out) if "val_loss" in r]
+    cut = [r for r in read_metrics(cut_run_dir(shared_run, *THETA_OUTER[:2])) if "val_loss" in r]
+    assert cut[-1]["step"] == CUT and [r["step"] for r in evals if r["step"] >= CUT] == [CUT, 12, STEPS], evals
+    mine, theirs = ({k: r[k] for k in ("train_loss", "val_loss")} for r in ([r for r in evals if r["step"] == CUT][0],
+                                                                             cut[-1]))
+    assert mine == theirs, (mine, theirs)
+    assert sorted(by_step(out)) == list(range(STEPS))
 
 
 def impl(script):
@@ -143,7 +165,8 @@ STATE_TOL = 1e-2
 
 @pytest.mark.parametrize("script,implementation",
                          [pytest.param(s, i, marks=peer_needs(s, i)) for s in SCRIPTS for i in ("custom", "pytorch")
-                          if (s, i) != ("ddp_train.py", "custom") and (i == "custom" or s in TORCH_ON_CPU)])
+                          if (s, i) != ("ddp_train.py", "custom") and (i == "custom" or s in TORCH_ON_CPU)
+                          and s != "ddp_diloco_train.py"])  # its own state: θ_outer, each replica's AdamW
 def test_every_cut_checkpoint_is_the_same_full_state(script, implementation, shared_run):
     """The checkpoints the resume tests continue (no launch of its own, read where they were written), against
     ddp's: the same step, model keys and shapes, AdamW state per parameter name, and values within STATE_TOL of

@@ -209,7 +209,8 @@ def test_run_all_on_one_gpu_runs_the_ranks_on_cpu_and_each_script_at_world_size_
     assert all(ranks == "2" for name, ranks, _, _ in cpu if not name.endswith("reference")
                and name not in (HYBRID_4D, DILOCO_ONE))
     assert all(ranks == "1" and "--dtype bfloat16" in command for _, ranks, _, command in gpu)
-    scripts = ["ddp", "fsdp", "fsdp_hsdp", "zero3", "zero3_tuning", "tp", "tp_overlap", "pp", "pp_zb", "pp_vocab", "cp", "hybrid"]
+    scripts = ["ddp", "fsdp", "fsdp_hsdp", "zero3", "zero3_tuning", "tp", "tp_overlap", "pp", "pp_zb", "pp_vocab", "cp",
+               "hybrid"]
     custom_only = {"zero3_tuning", "tp_overlap", "pp_vocab"}  # tier-2 variants that PyTorch's peer refuses
     assert [r[0] for r in gpu] == ["runs/smoke-gpu/reference"] + [f"runs/smoke-gpu/{s}-{i}" for s in scripts
                                                                   for i in ("custom", "pytorch")
