@@ -25,8 +25,10 @@ import torch  # noqa: E402
 from conftest import TINY, launch  # noqa: E402  (sets up the offline data and tokenizer)
 
 SCRIPTS = ["ddp_train.py", "fsdp_train.py", "zero3_train.py", "tp_train.py", "pp_train.py", "cp_train.py",
-           "pp_zb_train.py", "pp_vocab_train.py", "zero3_tuning_train.py", "tp_overlap_train.py"]
-CUSTOM_ONLY = ("pp_vocab_train.py", "zero3_tuning_train.py", "tp_overlap_train.py")  # tier 2 without a peer
+           "pp_zb_train.py", "pp_vocab_train.py", "zero3_tuning_train.py", "tp_overlap_train.py",
+           "fsdp_hsdp_train.py", "ddp_diloco_train.py"]
+CUSTOM_ONLY = ("pp_vocab_train.py", "zero3_tuning_train.py", "tp_overlap_train.py",  # tier 2 without a peer
+               "ddp_diloco_train.py")
 
 
 def busy(parent):

@@ -34,9 +34,10 @@ STATE_TOL = 1e-3
 
 # The runs at 2 and 4 ranks, in test_parity.py's launches: at 2, H = 3 over 15 steps and an evaluation every 4
 # (step 4 is mid-window: θ_outer, not a replica's weights), the resume sweep's run (conftest.CUT_FLAGS); at 4, H = 3
-# with accumulation and another momentum. (The one-replica run below ends on a partial window.)
+# with accumulation and another momentum, over two outer steps (the momentum's first and a Nesterov step on it).
+# (The one-replica run below ends on a partial window.)
 DILOCO_RUNS = {2: [dict(inner_steps=3, eval_interval=4)],
-               4: [dict(inner_steps=3, grad_accum_steps=2, outer_momentum=0.5)]}
+               4: [dict(inner_steps=3, grad_accum_steps=2, outer_momentum=0.5, max_iters=6)]}
 
 
 def diloco_args(settings):
@@ -68,7 +69,7 @@ def simulations():
 
 
 def simulate(nproc, inner_steps, outer_lr=0.7, outer_momentum=0.9, grad_accum_steps=1, eval_interval=STEPS,
-             steps=STEPS, seed=1337, batch=8, block=32, lr_max=1e-3, lr_min=1e-4, warmup=5):
+             max_iters=STEPS, seed=1337, batch=8, block=32, lr_max=1e-3, lr_min=1e-4, warmup=5):
     """DiLoCo in one process, independent of the script: nproc replicas, each trained in turn on its rows of the
     global batch with its own AdamW, clipping its own gradient by its own norm; after every inner_steps steps and
     after the last, the outer Nesterov step on the replicas' mean pseudo-gradient, and every replica restarts from
@@ -94,13 +95,14 @@ def simulate(nproc, inner_steps, outer_lr=0.7, outer_momentum=0.9, grad_accum_st
     accum = grad_accum_steps
     rows = batch // nproc
     micro = rows // accum
-    for step in range(steps):
+    for step in range(max_iters):
         if step % eval_interval == 0:
             evaluate(step)
         if step < warmup:
             lr = lr_max * (step + 1) / (warmup + 1)
         else:
-            lr = lr_min + 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup))) * (lr_max - lr_min)
+            decay = (step - warmup) / (max_iters - warmup)
+            lr = lr_min + 0.5 * (1 + math.cos(math.pi * decay)) * (lr_max - lr_min)
         x, y = get_batch("train", step, batch, block, seed)
         losses, norms = [], []
         for r, (model, optimizer) in enumerate(zip(replicas, optimizers)):
@@ -122,7 +124,7 @@ def simulate(nproc, inner_steps, outer_lr=0.7, outer_momentum=0.9, grad_accum_st
             norms.append(norm.item())
         record["loss"].append(sum(losses) / nproc)
         record["grad_norm"].append(sum(norms) / nproc)
-        if (step + 1) % inner_steps == 0 or step + 1 == steps:
+        if (step + 1) % inner_steps == 0 or step + 1 == max_iters:
             with torch.no_grad():
                 local = [list(model.parameters()) for model in replicas]
                 for i, (o, m) in enumerate(zip(outer, momentum)):
@@ -132,7 +134,7 @@ def simulate(nproc, inner_steps, outer_lr=0.7, outer_momentum=0.9, grad_accum_st
                 for params in local:
                     for p, o in zip(params, outer):
                         p.copy_(o)
-    evaluate(steps)
+    evaluate(max_iters)
     inner = [{name: optimizer.state[p] for name, p in zip(names, model.parameters())}
              for model, optimizer in zip(replicas, optimizers)]
     return record, dict(zip(names, outer)), dict(zip(names, momentum)), inner
@@ -188,8 +190,9 @@ def test_replicas_equal_a_one_process_simulation(nproc, references, shared_run):
         out_dir, _ = shared_run(SCRIPT, nproc, args)
         run = run_record(out_dir)
         ref, outer, momentum, inner = simulations()[(nproc, tuple(settings.items()))]
-        every = settings.get("eval_interval", STEPS)
-        assert [e[0] for e in run["eval"]] == sorted({*range(0, STEPS, every), STEPS}), run["eval"]
+        steps, every = settings.get("max_iters", STEPS), settings.get("eval_interval", STEPS)
+        assert len(run["loss"]) == steps, run
+        assert [e[0] for e in run["eval"]] == sorted({*range(0, steps, every), steps}), run["eval"]
         dloss, dnorm = differences(run, ref)
         ckpt = torch.load(out_dir / "ckpt.pt", weights_only=True)
         pairs = [(ckpt["model"][name], outer[name]) for name in outer]
@@ -202,7 +205,7 @@ def test_replicas_equal_a_one_process_simulation(nproc, references, shared_run):
         print(f"DiLoCo at {nproc} ranks {' '.join(args[len(FLAGS):])} vs the simulation: max |dloss| {dloss:.2e}, "
               f"max rel dnorm {dnorm:.2e}, max rel dstate {dstate:.2e}")
         assert dloss <= TOL and dnorm <= NORM_TOL and dstate <= STATE_TOL
-        assert ckpt["step"] == STEPS and all(ckpt["model"][n].shape == outer[n].shape for n in outer)
+        assert ckpt["step"] == steps and all(ckpt["model"][n].shape == outer[n].shape for n in outer)
         assert read_metrics(out_dir)[-1]["model_state_bytes_per_rank"] == [state_bytes(args)] * nproc
 
 
