@@ -10,11 +10,11 @@ as a fresh process would, with no earlier run's graphs, recompile limit or count
 it has an --out_dir, leaves there
 dynamo_rank<RANK>.json, this rank's torch._dynamo.utils.counters after its first training step and at its end:
     {"after_first_step": {"frames": {...}, "stats": {...}, "graph_break": {...}}, "end": {...}}
-comm_rank<RANK>.json, the bytes this rank handed to each collective in its second training step, by process group,
-as plan.py counts them (an all-reduce's tensor, an all-gather's input, a reduce-scatter's input; the AVG all-reduces
-of the logged loss and of evaluations left out, as plan.py leaves them):
-    {"all_reduce@0,2": bytes, "reduce_scatter@0,1": bytes, ...}  (the group's ranks, in order)
-comm_steps_rank<RANK>.json, the same for each training step from the second on, in order: [{...}, {...}, ...],
+comm_steps_rank<RANK>.json, the bytes this rank handed to each collective in each training step from the second on
+(the first's include setup's polls), by process group, as plan.py counts them (an all-reduce's tensor, an
+all-gather's input, a reduce-scatter's input; the AVG all-reduces of the logged loss and of evaluations left out, as
+plan.py leaves them), in step order:
+    [{"all_reduce@0,2": bytes, "reduce_scatter@0,1": bytes, ...}, ...]  (the group's ranks, in order)
 and attend_rank<RANK>.json, how often this rank's attention cores ran (every class's `attend`, the function
 --activation_checkpointing selective recomputes and full recomputes inside its block), outside compiled code:
     {"forward": calls with autograd recording, outside backward, "backward": calls inside backward (a recompute)}
@@ -223,8 +223,6 @@ if __name__ == "__main__":
         with open(os.path.join(out_dir, f"attend_rank{rank}.json"), "w") as f:
             json.dump(attends, f)
         if comm["per_step"]:
-            with open(os.path.join(out_dir, f"comm_rank{rank}.json"), "w") as f:
-                json.dump(comm["per_step"][0], f)
             with open(os.path.join(out_dir, f"comm_steps_rank{rank}.json"), "w") as f:
                 json.dump(comm["per_step"], f)
         if after_first_step:

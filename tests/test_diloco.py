@@ -229,11 +229,11 @@ def test_each_step_sends_h_times_fewer_parameter_bytes_than_ddp(shared_run):
     P = sum(p.numel() for p in GPT(config(), device="meta").parameters())
     shared_run.batch(2, launch_group(2))
     ddp_dir, diloco_dir = shared_run("ddp_train.py", 2, DDP_ROW)[0], shared_run(SCRIPT, 2, args)[0]
+    parameters = {"all_reduce@0,1": 4 * P}  # the gradients' (ddp) or the pseudo-gradient's (DiLoCo) one all-reduce
     for rank in range(2):
         ddp, diloco = (json.load(open(os.path.join(d, f"comm_steps_rank{rank}.json"))) for d in (ddp_dir, diloco_dir))
-        assert ddp == [{"all_reduce@0,1": 4 * P}] * (STEPS - 1), ddp  # steps 1..14
-        outer = {"all_reduce@0,1": 4 * P}
-        assert diloco == [outer if (step + 1) % H == 0 else {} for step in range(1, STEPS)], diloco
+        assert ddp == [parameters] * (STEPS - 1), ddp  # steps 1..14
+        assert diloco == [parameters if (step + 1) % H == 0 else {} for step in range(1, STEPS)], diloco
         window = [sum(d.get("all_reduce@0,1", 0) for d in steps[H - 1:2 * H - 1]) for steps in (ddp, diloco)]
         assert window == [H * 4 * P, 4 * P], window  # steps H..2H-1: the second window
     print(f"parameter-sized bytes a step: ddp {4 * P:,}, DiLoCo {4 * P / H:,.0f} (H = {H})")

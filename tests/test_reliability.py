@@ -123,9 +123,8 @@ def test_ddp_resumes_diloco_at_theta_outer(shared_run, resumed):
     evals = [r for r in read_metrics(out) if "val_loss" in r]
     cut = [r for r in read_metrics(cut_run_dir(shared_run, *THETA_OUTER[:2])) if "val_loss" in r]
     assert cut[-1]["step"] == CUT and [r["step"] for r in evals if r["step"] >= CUT] == [CUT, 12, STEPS], evals
-    mine, theirs = ({k: r[k] for k in ("train_loss", "val_loss")} for r in ([r for r in evals if r["step"] == CUT][0],
-                                                                             cut[-1]))
-    assert mine == theirs, (mine, theirs)
+    [at_cut] = [r for r in evals if r["step"] == CUT]
+    assert (at_cut["train_loss"], at_cut["val_loss"]) == (cut[-1]["train_loss"], cut[-1]["val_loss"]), (at_cut, cut)
     assert sorted(by_step(out)) == list(range(STEPS))
 
 
